@@ -1,0 +1,85 @@
+"""Aligned staging memory and byte views of the objects callers hand us."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+from ._config import ALIGN_BYTES
+
+
+def buffer_address(view: memoryview) -> int:
+    """Address of the first byte of a C-contiguous buffer."""
+    if view.nbytes == 0:
+        return 0
+    if view.readonly:
+        # ctypes cannot take a readonly buffer; numpy can tell the address of any buffer.
+        return np.frombuffer(view, dtype=np.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def byte_view(obj) -> memoryview:
+    """A flat, C-contiguous uint8 memoryview of bytes-likes, numpy arrays and CPU torch tensors.
+
+    Raises TypeError for non-contiguous data or tensors that are not on the CPU: copying
+    those silently would hide a second memcpy.
+    """
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise TypeError("numpy array must be C-contiguous to be written without a copy")
+        return memoryview(obj.reshape(-1).view(np.uint8))
+    module = type(obj).__module__
+    if module.startswith("torch"):
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu":
+                raise TypeError(f"tensor on {obj.device} must be copied to CPU staging memory first")
+            if not obj.is_contiguous():
+                raise TypeError("tensor must be contiguous to be written without a copy")
+            if obj.numel() == 0:
+                return memoryview(b"")
+            flat = obj.detach().reshape(-1).view(torch.uint8)
+            return memoryview(flat.numpy())
+    view = memoryview(obj)
+    if not view.c_contiguous:
+        raise TypeError("buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory (mmap), exposed as memoryview, numpy array or torch tensor.
+
+    Used as staging memory: callers snapshot state straight into it and fastio writes it from
+    there with O_DIRECT, so the snapshot copy and the I/O staging are the same memcpy.
+    """
+
+    def __init__(self, nbytes: int):
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes} must be >= 0")
+        self.nbytes = nbytes
+        # mmap of length 0 is not allowed; round up to whole pages so O_DIRECT tails fit.
+        self._map = mmap.mmap(-1, max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES))
+        self._view = memoryview(self._map)
+        self.address = buffer_address(self._view)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return len(self._map)
+
+    def view(self, start: int = 0, stop: int | None = None) -> memoryview:
+        return self._view[start:self.nbytes if stop is None else stop]
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self._view, dtype=np.uint8, count=self.nbytes)
+
+    def tensor(self):
+        import torch
+
+        return torch.frombuffer(self._view, dtype=torch.uint8, count=self.nbytes) if self.nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+def aligned_buffer(nbytes: int) -> AlignedBuffer:
+    """Allocate ``nbytes`` of 4096-aligned staging memory."""
+    return AlignedBuffer(nbytes)

@@ -1,0 +1,91 @@
+"""fastio.Reader: read byte ranges of a file into caller memory, with O_DIRECT for aligned ranges."""
+from __future__ import annotations
+
+import os
+import warnings
+
+from . import _engine
+from ._config import ALIGN_BYTES, FastioConfig
+from ._files import open_file
+from ._memory import buffer_address, byte_view
+from ._select import engine as shared_engine
+
+
+class Reader:
+    """Random-access reader. ``read_into(offset, out)`` fills all of ``out`` or raises.
+
+    Ranges whose offset and target address are 4096-aligned are read with O_DIRECT (the whole
+    aligned part; the unaligned tail through the page cache); anything else is read buffered.
+    Reading past the end of the file raises ``EOFError`` naming the file and offset.
+    """
+
+    def __init__(self, path, config: FastioConfig | None = None, *, engine=None):
+        self.path = os.fspath(path)
+        self.config = config or FastioConfig.from_env()
+        self._engine = engine or shared_engine()
+        self._fd, _ = open_file(self.path, os.O_RDONLY, direct=False)
+        self.size = os.fstat(self._fd).st_size
+        self._direct_fd = -1
+        if self.config.direct:
+            fd, is_direct = open_file(self.path, os.O_RDONLY, direct=True)
+            if is_direct:
+                self._direct_fd = fd
+            else:
+                os.close(fd)
+
+    def read_into(self, offset: int, out, *, priority: int = _engine.BULK) -> None:
+        """Fill the writable buffer/array/tensor ``out`` with bytes from ``offset``."""
+        self.submit_read_into(offset, out, priority=priority)()
+
+    def submit_read_into(self, offset: int, out, *, priority: int = _engine.BULK):
+        """Start reading into ``out``; return a function that waits and raises any error."""
+        if self._fd < 0:
+            raise ValueError(f"fastio.Reader for {self.path!r} is closed")
+        view = byte_view(out)
+        if view.readonly:
+            raise TypeError("read_into needs a writable buffer")
+        if offset < 0 or offset + view.nbytes > self.size:
+            raise EOFError(f"read of {view.nbytes} bytes at offset {offset} is past the end of "
+                           f"{self.path!r} ({self.size} bytes)")
+        tickets = []
+        direct_bytes = 0
+        if (self._direct_fd >= 0 and offset % ALIGN_BYTES == 0
+                and buffer_address(view) % ALIGN_BYTES == 0):
+            direct_bytes = view.nbytes - view.nbytes % ALIGN_BYTES
+            if direct_bytes:
+                tickets.append(self._engine.submit_read(self._direct_fd, view[:direct_bytes], offset,
+                                                        self.path, priority, keepalive=out))
+        if direct_bytes < view.nbytes:
+            tickets.append(self._engine.submit_read(self._fd, view[direct_bytes:], offset + direct_bytes,
+                                                    self.path, priority, keepalive=out))
+
+        def wait():
+            for ticket in tickets:
+                ticket.wait()
+        return wait
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Read ``nbytes`` at ``offset`` as bytes (small, buffered reads: headers, records)."""
+        out = bytearray(nbytes)
+        self.read_into(offset, out)
+        return bytes(out)
+
+    def close(self) -> None:
+        """Idempotent."""
+        for name in ("_fd", "_direct_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        if getattr(self, "_fd", -1) >= 0:
+            warnings.warn(f"fastio.Reader for {self.path!r} was not closed", ResourceWarning, stacklevel=2)
+            self.close()

@@ -1,0 +1,33 @@
+"""Build lowdiff, fastio and recovery. Switches: LOWDIFF_DEBUG=1 (-O0 -g), LOWDIFF_SANITIZE=address."""
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, find_packages, setup
+
+compile_args = ["-O0", "-g"] if os.environ.get("LOWDIFF_DEBUG") == "1" else ["-O2"]
+link_args = []
+sanitizer = os.environ.get("LOWDIFF_SANITIZE")
+if sanitizer:
+    compile_args += [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer"]
+    link_args += [f"-fsanitize={sanitizer}"]
+
+extensions = [
+    Extension(
+        "fastio._uring",
+        sources=["fastio/_uring.pyx", "fastio/uring_core.c"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    ),
+]
+
+setup(
+    name="lowdiff",
+    version="0.1.0",
+    description="Per-iteration checkpointing for PyTorch with exact resume",
+    packages=find_packages(include=["lowdiff", "lowdiff.*", "fastio", "fastio.*", "recovery", "recovery.*"]),
+    ext_modules=cythonize(extensions, language_level=3),
+    python_requires=">=3.10",
+    # A range that torch 2.13 satisfies and no newer release does: an open range pulls a CUDA build.
+    install_requires=["torch>=2.2,<2.14", "numpy", "zstandard>=0.20"],
+    extras_require={"test": ["pytest", "hypothesis"]},
+)
