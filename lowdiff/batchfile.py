@@ -1,0 +1,93 @@
+"""Writing and reading differential batch files: preamble, records, JSON index, trailer."""
+from __future__ import annotations
+
+import logging
+import os
+
+import fastio
+
+from . import container
+from .errors import CorruptCheckpointError
+from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, record_length
+
+log = logging.getLogger("lowdiff")
+
+
+def write_batch(path: str, session: str, records: list, *, engine=None) -> int:
+    """Write ``records`` ([(step, [buffers])], consecutive steps) to ``path`` and commit it
+    atomically (fastio.Writer). Returns the file's size in bytes."""
+    entries = []
+    with fastio.Writer(path, priority=fastio.URGENT, engine=engine) as writer:
+        writer.write(container.preamble_bytes(container.KIND_DIFF))
+        for step, buffers in records:
+            offset = writer.size
+            for buffer in buffers:
+                writer.write(buffer)
+            entries.append([step, offset, writer.size - offset])
+        index = container.encode_index({
+            "version": container.FORMAT_VERSION, "kind": "diff", "session": session,
+            "first": records[0][0], "last": records[-1][0], "records": entries})
+        index_offset = writer.write(index)
+        writer.write(container.trailer_bytes(index_offset, index, container.KIND_DIFF))
+        return writer.size
+
+
+class BatchReader:
+    """Reads the records of one batch file. When the index is damaged the records are found by
+    scanning from the start, so the valid prefix of a torn or damaged file is still usable."""
+
+    def __init__(self, path: str, *, engine=None):
+        self.path = path
+        self._reader = fastio.Reader(path, engine=engine)
+        self.index_error: CorruptCheckpointError | None = None
+        try:
+            self.index = container.read_index(path, self._reader.read, self._reader.size, container.KIND_DIFF)
+            self.entries = [tuple(e) for e in self.index["records"]]
+        except CorruptCheckpointError as exc:
+            if isinstance(exc, (container.ForeignFileError, container.VersionMismatchError)):
+                self._reader.close()
+                raise
+            self.index_error = exc
+            self.index = None
+            self.entries = self._scan()
+
+    def _scan(self) -> list:
+        entries = []
+        offset = container.PREAMBLE.size
+        while offset + RECORD_HEADER.size <= self._reader.size:
+            header = self._reader.read(offset, RECORD_HEADER.size)
+            if header[:4] != RECORD_MAGIC:
+                break
+            step, nbytes = record_length(header)
+            if offset + nbytes > self._reader.size:
+                break
+            entries.append((step, offset, nbytes))
+            offset += nbytes
+        return entries
+
+    @property
+    def steps(self) -> list[int]:
+        return [e[0] for e in self.entries]
+
+    def read_record(self, position: int):
+        """Decode the record at ``position`` of the entry list (verifies its checksum)."""
+        step, offset, nbytes = self.entries[position]
+        if offset + nbytes > self._reader.size:
+            raise CorruptCheckpointError(self.path, f"record of step {step} at offset {offset} runs past the end of the file")
+        data = bytearray(nbytes)
+        self._reader.read_into(offset, data)
+        return decode_record(data, self.path, offset, expected_step=step)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def batch_size_bytes(path: str) -> int:
+    return os.path.getsize(path)

@@ -1,0 +1,83 @@
+"""What the iteration boundary captures besides gradients: RNG states, hyper-parameters, and the
+state of the scheduler and of user objects, as immutable copies."""
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import torch
+
+
+def capture_rng() -> dict:
+    """Python, numpy, torch CPU and (when initialized) CUDA generator states."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(_as_python_state(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"].clone())  # needs its own storage
+    if "cuda" in state and torch.cuda.is_available():
+        for i, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, i)
+
+
+def _as_python_state(state):
+    # random.setstate needs tuples; a round trip through storage may yield lists.
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def hyperparameters(param_groups) -> list:
+    """Everything of each param group except its parameters (lr, betas, weight decay, ...)."""
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+             for k, v in group.items() if k != "params"} for group in param_groups]
+
+
+def apply_hyperparameters(param_groups, values: list) -> None:
+    if len(values) != len(param_groups):
+        raise ValueError(f"recorded {len(values)} param groups, optimizer has {len(param_groups)}")
+    for group, stored in zip(param_groups, values):
+        for key, value in stored.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                current.copy_(value)  # keep tensor identity (fused/capturable optimizers hold it)
+            else:
+                group[key] = value
+
+
+def state_dicts(objects: dict) -> dict:
+    """Deep copies of ``obj.state_dict()`` for each named object (safe to serialize later)."""
+    return {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
+
+
+def load_state_dicts(objects: dict, states: dict, where: str) -> None:
+    missing = set(objects) - set(states)
+    if missing:
+        raise ValueError(f"{where} holds no state for extra_state {sorted(missing)}; it has {sorted(states)}")
+    for name, obj in objects.items():
+        obj.load_state_dict(states[name])
+
+
+def module_buffers(model: torch.nn.Module) -> dict:
+    """Copies of the persistent buffers of ``model`` (BatchNorm statistics and the like)."""
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    return {name: buf.detach().clone() for name, buf in model.named_buffers() if name in persistent}
+
+
+def restore_buffers(model: torch.nn.Module, buffers: dict) -> None:
+    own = dict(model.named_buffers())
+    for name, value in buffers.items():
+        if name in own:
+            with torch.no_grad():
+                own[name].copy_(value)

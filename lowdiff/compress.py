@@ -1,0 +1,86 @@
+"""Gradient compressors. A compressor turns a gradient into what the optimizer will consume and
+what is recorded: both are the same tensor, so replay is exact."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed:
+    """One parameter's gradient as recorded: dense values, or sorted unique int32 indices + values."""
+
+    kind: str                      # "dense" | "sparse" | "none" (parameter had no gradient)
+    numel: int
+    values: torch.Tensor | None    # dense: the whole flat gradient; sparse: the kept values
+    indices: torch.Tensor | None = None  # sparse only: int32, sorted ascending, unique
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """Record gradients exactly as they are (largest records, no approximation)."""
+
+    name = "dense"
+
+    def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict) -> Compressed:
+        flat = grad.detach().reshape(-1)
+        return Compressed("dense", flat.numel(), flat.clone())
+
+    @property
+    def error_feedback(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """Keep the ``ratio`` largest-magnitude entries of each gradient tensor.
+
+    With ``error_feedback`` the dropped mass is carried to the next step in a per-rank residual.
+    Tensors with fewer than ``min_numel`` elements are stored dense: their indices would cost more
+    than they save.
+    """
+
+    ratio: float = 0.01
+    error_feedback: bool = False
+    min_numel: int = 4096
+    name = "topk"
+
+    def __post_init__(self):
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"TopK.ratio={self.ratio} must be in (0, 1]")
+        if self.min_numel < 1:
+            raise ValueError(f"TopK.min_numel={self.min_numel} must be >= 1")
+
+    def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict) -> Compressed:
+        flat = grad.detach().reshape(-1)
+        numel = flat.numel()
+        if self.error_feedback:
+            residual = residuals.get(residual_slot)
+            if residual is not None:
+                flat = flat + residual
+        if numel < self.min_numel:
+            if self.error_feedback:
+                residuals.pop(residual_slot, None)
+            return Compressed("dense", numel, flat.clone())
+        k = max(1, int(numel * self.ratio))
+        _, picked = torch.topk(flat.abs(), k, sorted=False)
+        indices = torch.sort(picked.to(torch.int32)).values
+        values = flat.index_select(0, indices)
+        if self.error_feedback:
+            residual = flat.clone() if flat.data_ptr() == grad.data_ptr() else flat
+            residual.index_fill_(0, indices, 0)
+            residuals[residual_slot] = residual
+        return Compressed("sparse", numel, values, indices)
+
+
+def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
+    """Write the gradient ``record`` stands for into ``out`` (flat view of a gradient tensor)."""
+    flat = out.view(-1)
+    if record.kind == "dense":
+        flat.copy_(record.values)
+    else:
+        flat.zero_()
+        # Indices are unique and sorted: a plain scatter, deterministic, no atomics.
+        flat.index_copy_(0, record.indices.to(torch.int64), record.values)
+    return out

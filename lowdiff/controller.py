@@ -1,0 +1,88 @@
+"""The controller: picks the full-checkpoint interval and the differential batch size.
+
+With fixed settings it just reports them. With "auto" it uses costs measured while training runs:
+  T  step time, S  training-thread stall of a full snapshot, P  background persist time of a full
+  checkpoint, r  replay cost of one step at recovery (about one optimizer step), W  write time of a
+  differential batch, and the failure rate lambda the user states.
+Overhead per unit of training time is S/(F*T) for fulls plus lambda*(F*r/2) for the expected
+replay after a failure; its minimum is at F* = sqrt(2*S / (T*lambda*r)). F never goes below
+ceil(P/T), so a full checkpoint finishes persisting before the next one is due. The batch size
+is the smallest B whose write keeps the writer below half busy: W(B) <= B*T/2; a smaller B loses
+less on a crash (at most about two batches).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+AUTO_INITIAL_FULL_EVERY = 50
+AUTO_INITIAL_BATCH_STEPS = 8
+MAX_BATCH_STEPS = 64
+MAX_FULL_EVERY = 100_000
+
+
+class _Mean:
+    """Exponential moving average (None until the first sample)."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.value = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+class Controller:
+    def __init__(self, config):
+        self.auto_full = config.full_every == "auto"
+        self.auto_batch = config.batch_steps == "auto"
+        self.full_every = AUTO_INITIAL_FULL_EVERY if self.auto_full else config.full_every
+        self.batch_steps = AUTO_INITIAL_BATCH_STEPS if self.auto_batch else config.batch_steps
+        self.failure_rate_per_s = config.failure_rate_per_hour / 3600.0
+        self.step_s = _Mean()
+        self.optimizer_step_s = _Mean()
+        self.stall_s = _Mean(0.5)
+        self.persist_s = _Mean(0.5)
+        self.batch_write_s_per_step = _Mean(0.5)
+        self._last_step_end = None
+
+    # measurements -----------------------------------------------------------
+    def step_finished(self, optimizer_step_s: float) -> None:
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.step_s.add(now - self._last_step_end)
+        self._last_step_end = now
+        self.optimizer_step_s.add(optimizer_step_s)
+
+    def full_taken(self, stall_s: float) -> None:
+        self.stall_s.add(stall_s)
+        self._last_step_end = None  # the stall is not part of a normal step
+
+    def full_persisted(self, persist_s: float) -> None:
+        self.persist_s.add(persist_s)
+        self._update()
+
+    def batch_written(self, steps: int, write_s: float) -> None:
+        self.batch_write_s_per_step.add(write_s / max(steps, 1))
+        self._update()
+
+    # decisions --------------------------------------------------------------
+    def _update(self) -> None:
+        step_s = self.step_s.value
+        if not step_s:
+            return
+        if self.auto_full and self.stall_s.value is not None:
+            replay_s = max(self.optimizer_step_s.value or step_s * 0.1, 1e-6)
+            best = math.sqrt(2 * max(self.stall_s.value, 1e-6) / (step_s * self.failure_rate_per_s * replay_s))
+            floor = math.ceil((self.persist_s.value or 0.0) / step_s) + 1
+            self.full_every = int(min(MAX_FULL_EVERY, max(best, floor, 1)))
+        if self.auto_batch and self.batch_write_s_per_step.value is not None:
+            per_batch_s = self.batch_write_s_per_step.value * self.batch_steps
+            # W(B) ~= per_batch_s (dominated by fixed costs for small batches): need W <= B*T/2.
+            needed = math.ceil(2 * per_batch_s / step_s)
+            self.batch_steps = int(min(MAX_BATCH_STEPS, max(1, needed)))
+
+    def describe(self) -> dict:
+        return {"full_every": self.full_every, "batch_steps": self.batch_steps,
+                "auto_full": self.auto_full, "auto_batch": self.auto_batch,
+                "step_s": self.step_s.value, "stall_s": self.stall_s.value, "persist_s": self.persist_s.value}

@@ -1,0 +1,144 @@
+"""Step records and differential batch files (layout in docs/format.md).
+
+A record is everything needed to redo one step: the gradient the optimizer consumed (sparse or
+dense), the hyper-parameters, and the state captured at the iteration boundary. Its structured part
+(metadata, small objects, delta-encoded indices) is zstd-compressed; gradient values, which zstd
+barely shrinks, are stored raw. Every record carries its own CRC32, so a damaged record ends the
+usable prefix of a batch instead of poisoning the whole file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+
+import numpy as np
+import torch
+import zstandard
+
+from . import container, tree
+from .compress import Compressed
+from .errors import CorruptCheckpointError
+
+RECORD_MAGIC = b"LDRC"
+RECORD_HEADER = struct.Struct("<4sHHQIQI")  # magic, version, flags, step, packed bytes, raw bytes, crc32
+_LEN = struct.Struct("<I")
+ZSTD_LEVEL = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Step ``step`` (1-based: the state after it is 'step completed steps')."""
+
+    step: int
+    skipped: bool
+    grads: list            # list[Compressed], one per optimizer parameter in param_groups order
+    objects: dict          # hyper-parameters, RNG, scheduler, extra_state, buffers (small)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, path: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(path, f"unknown dtype {name!r}")
+    return dtype
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def encode_record(record: StepRecord, compressor=None) -> list:
+    """The record as a list of buffers to append to a batch file (header first)."""
+    grads_meta = []
+    deltas = []
+    raw = []
+    for grad in record.grads:
+        if grad.kind == "none":
+            grads_meta.append(["none", grad.numel, 0, ""])
+            continue
+        values = grad.values.detach().cpu()
+        nnz = values.numel() if grad.kind == "sparse" else 0
+        grads_meta.append([grad.kind, grad.numel, nnz, dtype_name(values.dtype)])
+        if grad.kind == "sparse":
+            indices = grad.indices.cpu().numpy().astype(np.int64, copy=False)
+            deltas.append(np.diff(indices, prepend=0).astype(np.uint32).tobytes())
+        raw.append(_raw_bytes(values))
+    objects = tree.dumps(record.objects)
+    meta = json.dumps({"step": record.step, "skipped": record.skipped, "objects_bytes": len(objects),
+                       "grads": grads_meta}, separators=(",", ":")).encode()
+    packed = (compressor or zstandard.ZstdCompressor(level=ZSTD_LEVEL)).compress(
+        b"".join([_LEN.pack(len(meta)), meta, objects, *deltas]))
+    raw_bytes = sum(view.nbytes for view in raw)
+    crc = zlib.crc32(packed)
+    for view in raw:
+        crc = zlib.crc32(view, crc)
+    header = RECORD_HEADER.pack(RECORD_MAGIC, container.FORMAT_VERSION, 0, record.step, len(packed), raw_bytes, crc)
+    return [header, packed, *raw]
+
+
+def decode_record(data, path: str, offset: int, expected_step: int | None = None) -> StepRecord:
+    """Parse and verify one record from ``data`` (header + body). Raises CorruptCheckpointError."""
+    where = f"record at offset {offset}"
+    view = memoryview(data)
+    if view.nbytes < RECORD_HEADER.size:
+        raise CorruptCheckpointError(path, f"{where} is truncated")
+    magic, version, _flags, step, packed_len, raw_len, crc = RECORD_HEADER.unpack_from(view)
+    if magic != RECORD_MAGIC:
+        raise CorruptCheckpointError(path, f"{where} has bad magic {bytes(magic)!r}")
+    if version != container.FORMAT_VERSION:
+        raise CorruptCheckpointError(path, f"{where} has format version {version}")
+    end = RECORD_HEADER.size + packed_len + raw_len
+    if view.nbytes < end:
+        raise CorruptCheckpointError(path, f"{where} is truncated ({view.nbytes} of {end} bytes)")
+    body = view[RECORD_HEADER.size:end]
+    if zlib.crc32(body) != crc:
+        raise CorruptCheckpointError(path, f"{where} (step {step}) fails its checksum")
+    if expected_step is not None and step != expected_step:
+        raise CorruptCheckpointError(path, f"{where} holds step {step}, expected step {expected_step}")
+    try:
+        structured = zstandard.ZstdDecompressor().decompress(body[:packed_len])
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(path, f"{where} cannot be decompressed: {exc}") from None
+    (meta_len,) = _LEN.unpack_from(structured)
+    meta = json.loads(structured[4:4 + meta_len])
+    pos = 4 + meta_len
+    objects = tree.loads(structured[pos:pos + meta["objects_bytes"]], path)
+    pos += meta["objects_bytes"]
+    raw = body[packed_len:]
+    raw_pos = 0
+    grads = []
+    for kind, numel, nnz, dtype_str in meta["grads"]:
+        if kind == "none":
+            grads.append(Compressed("none", numel, None))
+            continue
+        dtype = dtype_from_name(dtype_str, path)
+        count = nnz if kind == "sparse" else numel
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        values = torch.frombuffer(bytearray(raw[raw_pos:raw_pos + nbytes]), dtype=dtype) if nbytes else \
+            torch.empty(0, dtype=dtype)
+        raw_pos += nbytes
+        if kind == "dense":
+            grads.append(Compressed("dense", numel, values))
+            continue
+        deltas = np.frombuffer(structured, dtype=np.uint32, count=nnz, offset=pos)
+        pos += 4 * nnz
+        indices = np.cumsum(deltas, dtype=np.int64)
+        if nnz and (indices[-1] >= numel or (nnz > 1 and deltas[1:].min() == 0)):
+            raise CorruptCheckpointError(path, f"{where} has indices that are not sorted, unique and < {numel}")
+        grads.append(Compressed("sparse", numel, values, torch.from_numpy(indices.astype(np.int32))))
+    if raw_pos != raw_len:
+        raise CorruptCheckpointError(path, f"{where} declares {raw_len} value bytes but describes {raw_pos}")
+    return StepRecord(step, bool(meta["skipped"]), grads, objects)
+
+
+def record_length(header: bytes) -> tuple[int, int]:
+    """(step, total record bytes) from a record header, without verifying the body."""
+    _, _, _, step, packed_len, raw_len, _ = RECORD_HEADER.unpack_from(header)
+    return step, RECORD_HEADER.size + packed_len + raw_len

@@ -1,0 +1,318 @@
+"""lowdiff.wrap: an optimizer that records every step as a differential and takes full
+checkpoints now and then.
+
+Durability contract: ``step()`` returns before its record is on disk. ``flush()`` blocks until every
+recorded step is durable. A process killed with SIGKILL loses at most the steps not yet flushed,
+bounded by ``max_pending_batches`` batches (step() blocks when more are outstanding), and never
+loses or corrupts what was already durable.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+
+import torch
+
+from . import capture
+from .background import DiffWriter, FullWriter
+from .compress import Dense, decompress_into
+from .config import WrapConfig
+from .controller import Controller
+from .errors import CheckpointError
+from .records import StepRecord
+from .store import CheckpointStore
+
+log = logging.getLogger("lowdiff")
+_live = weakref.WeakSet()
+
+
+class LowDiffOptimizer(torch.optim.Optimizer):
+    """Drop-in optimizer: ``step`` = compress -> inner step -> scheduler step -> record.
+
+    It subclasses ``torch.optim.Optimizer`` only so that LR schedulers and GradScaler accept it;
+    all optimizer state lives in the wrapped optimizer (``.optimizer``).
+    """
+
+    # GradScaler then calls step() on every iteration (also when it found inf/NaN) with
+    # ``grad_scale``/``found_inf`` set, so a skipped step is still an iteration we record.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, optimizer, model, directory, *, compressor=None, full_every=100, batch_steps=10,
+                 scheduler=None, extra_state=None, keep_full=2, grad_scaler=None, max_pending_batches=2,
+                 overwrite=False, failure_rate_per_hour=0.1, engine=None):
+        if isinstance(optimizer, LowDiffOptimizer):
+            raise TypeError("optimizer is already wrapped by lowdiff")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        for name, obj in (extra_state or {}).items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+        self.config = WrapConfig(full_every=full_every, batch_steps=batch_steps, keep_full=keep_full,
+                                 max_pending_batches=max_pending_batches, overwrite=overwrite,
+                                 failure_rate_per_hour=failure_rate_per_hour)
+        self.optimizer = optimizer
+        self.model = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+        self.compressor = compressor if compressor is not None else Dense()
+        self.scheduler = scheduler
+        self.extra_state = dict(extra_state or {})
+        self.grad_scaler = grad_scaler
+        self.residuals: dict = {}
+        self.controller = Controller(self.config)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.param_names = [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(self._params)]
+        slot_of = {id(p): i for i, p in enumerate(self._params)}
+        live_state = self.model.state_dict(keep_vars=True)
+        # Keys of the model's state that are optimizer parameters (tied weights appear under several).
+        self._param_aliases = {k: slot_of[id(v)] for k, v in live_state.items() if id(v) in slot_of}
+        persistent = set(live_state)
+        self._buffer_names = {n for n, _ in self.model.named_buffers() if n in persistent}
+        self.store = CheckpointStore(directory, keep_full)
+        self.directory = self.store.directory
+        self._engine = engine
+        self._diffs = DiffWriter(self.store, self.controller, self.config.max_pending_batches, engine)
+        self._fulls = FullWriter(self.store, self.controller, engine)
+        self.step_count = 0
+        self._resumed = False
+        self._base_taken = False
+        self._closed = False
+        self._last_full_step = 0
+        self._last_skipped = None
+        _live.add(self)
+        _install_exit_hooks()
+
+    # ------------------------------------------------------------ optimizer surface
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group):
+        raise CheckpointError("lowdiff records gradients by parameter position; add param groups before wrap()")
+
+    def __repr__(self):
+        return f"LowDiffOptimizer({self.optimizer!r}, directory={self.directory!r})"
+
+    def __getstate__(self):
+        raise TypeError("a LowDiffOptimizer owns files and threads and cannot be pickled")
+
+    # ------------------------------------------------------------ the step
+    def step(self, closure=None):
+        """compress -> inner step -> scheduler step -> record (see the module docstring)."""
+        if self._closed:
+            raise CheckpointError("step() on a closed lowdiff optimizer")
+        if not self._base_taken:
+            self._take_base()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        skipped = self._unscale_for_amp()
+        groups_used = capture.hyperparameters(self.optimizer.param_groups)
+        grads = None if skipped else self._compress_gradients()
+        started = time.perf_counter()
+        if not skipped:
+            self.optimizer.step()
+        self.controller.step_finished(time.perf_counter() - started)
+        self._last_skipped = skipped
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step_count += 1
+        record = StepRecord(self.step_count, skipped, grads or [], self._boundary_objects(groups_used, skipped))
+        self._diffs.put(record)
+        if self.step_count - self._last_full_step >= self.controller.full_every:
+            self._take_full(base=False)
+        return loss
+
+    def _unscale_for_amp(self) -> bool:
+        """With GradScaler: unscale as GradScaler.unscale_ would, report whether the step is skipped."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        if bool(found_inf.item()):
+            return True
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inv_scale = scale.double().reciprocal().float()
+            grads = [p.grad for p in self._params if p.grad is not None]
+            by_device: dict = {}
+            for g in grads:
+                by_device.setdefault((g.device, g.dtype), []).append(g)
+            for (device, _), group in by_device.items():
+                dummy = torch.zeros(1, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, dummy, inv_scale.to(device))
+        return False
+
+    def _compress_gradients(self) -> list:
+        """Compress every gradient in parameter order and put back the exact tensor recorded."""
+        out = []
+        for slot, p in enumerate(self._params):
+            if p.grad is None:
+                out.append(_NO_GRAD)
+                continue
+            if p.grad.is_sparse:
+                raise TypeError(f"parameter {self.param_names[slot]!r} has a sparse gradient; not supported")
+            compressed = self.compressor.compress(p.grad, slot, self.residuals)
+            if compressed.kind == "sparse":
+                decompress_into(compressed, p.grad)
+            elif compressed.values.data_ptr() != p.grad.data_ptr():
+                p.grad.view(-1).copy_(compressed.values)  # dense with error feedback: consume grad+residual
+            out.append(compressed)
+        return out
+
+    def _boundary_objects(self, groups_used: list, skipped: bool) -> dict:
+        objects = {
+            "groups_used": groups_used,
+            "groups_after": capture.hyperparameters(self.optimizer.param_groups),
+            "rng": capture.capture_rng(),
+            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers() if n in self._buffer_names},
+            "extra": capture.state_dicts(self.extra_state),
+        }
+        if self.scheduler is not None:
+            objects["scheduler"] = capture.state_dicts({"s": self.scheduler})["s"]
+        if self.grad_scaler is not None:
+            objects["grad_scaler"] = {"state": self.grad_scaler.state_dict(), "found_inf": skipped}
+        return objects
+
+    # ------------------------------------------------------------ full checkpoints
+    def _take_base(self) -> None:
+        latest = self.store.latest_step()
+        if not self._resumed and latest > self.step_count and not self.config.overwrite:
+            raise CheckpointError(
+                f"{self.directory} already holds checkpoints up to step {latest}; call "
+                f"recovery.resume(directory, model, optimizer) before training, or wrap(..., overwrite=True)")
+        self._take_full(base=True)
+        self._base_taken = True
+
+    def _take_full(self, base: bool) -> None:
+        self._diffs.seal()  # the chain from the previous full checkpoint must reach this step
+        self._last_full_step = self.step_count
+        # GradScaler.update() runs after step(): store the pre-update state and what update() needs.
+        scaler = None
+        if self.grad_scaler is not None:
+            scaler = {"state": self.grad_scaler.state_dict(), "found_inf": None if base else self._last_skipped}
+        state = {
+            "model": dict(self.model.state_dict()),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+            "rng": capture.capture_rng(),
+            "residuals": dict(self.residuals),
+            "grad_scaler": scaler,
+        }
+        meta = {"param_names": self.param_names, "param_aliases": self._param_aliases,
+                "optimizer_class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+                "compressor": repr(self.compressor)}
+        self._fulls.take(self.step_count, state, meta, base)
+
+    # ------------------------------------------------------------ durability
+    @property
+    def durable_step(self) -> int:
+        """The newest step that is on disk and can be resumed (-1 before the first commit)."""
+        return self.store.durable_step()
+
+    def flush(self) -> None:
+        """Block until every recorded step (and any full checkpoint in progress) is durable."""
+        if self._closed:
+            return
+        self._diffs.flush()
+        self._fulls.wait()
+
+    def close(self) -> None:
+        """Flush, stop the background threads, release the directory lock. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._diffs.close()
+            self._fulls.wait()
+        finally:
+            self._closed = True
+            self.store.close()
+            _live.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+    # ------------------------------------------------------------ resume support
+    def _resumed_at(self, step: int, residuals: dict | None) -> None:
+        """Called by recovery.resume: continue recording after ``step``."""
+        if self._base_taken:
+            raise CheckpointError("resume must happen before the first step() of a lowdiff optimizer")
+        self.step_count = step
+        self._resumed = True
+        self.residuals = dict(residuals or {})
+
+
+class _NoGrad:
+    kind = "none"
+    numel = 0
+    values = None
+    indices = None
+
+
+_NO_GRAD = _NoGrad()
+
+
+def wrap(optimizer, model, directory, *, compressor=None, full_every=100, batch_steps=10, scheduler=None,
+         extra_state=None, keep_full=2, **options) -> LowDiffOptimizer:
+    """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer."""
+    return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
+                            batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
+                            keep_full=keep_full, **options)
+
+
+# ---------------------------------------------------------------- process exit
+_hooks_installed = False
+
+
+def _flush_all() -> None:
+    for opt in list(_live):
+        try:
+            opt.close()
+        except Exception as exc:  # at exit there is nobody left to raise to
+            log.error("lowdiff: flushing %s at exit failed: %s", opt.directory, exc)
+
+
+def _on_sigterm(signum, frame):
+    _flush_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_exit_hooks() -> None:
+    """Flush at interpreter exit and on SIGTERM (if nobody else handles SIGTERM)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_flush_all)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,0 +1,89 @@
+"""recovery.resume: restore live training objects to the newest durable step."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lowdiff import capture
+from lowdiff.wrapper import LowDiffOptimizer
+
+from .restore import restore, warn
+
+
+def restore_grad_scaler(scaler, stored) -> None:
+    """Load a GradScaler's pre-update state and redo the update() that followed that step."""
+    if scaler is None or stored is None:
+        return
+    state = dict(stored["state"])
+    if stored["found_inf"] is not None and state:
+        scale = torch.tensor([state["scale"]], dtype=torch.float32)
+        tracker = torch.tensor([state["_growth_tracker"]], dtype=torch.int32)
+        found = torch.tensor([1.0 if stored["found_inf"] else 0.0])
+        torch._amp_update_scale_(scale, tracker, found, state["growth_factor"], state["backoff_factor"],
+                                 state["growth_interval"])
+        state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
+    scaler.load_state_dict(state)
+
+
+def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extra_state=None,
+           grad_scaler=None) -> int:
+    """Restore ``model``, ``optimizer``, RNG states, scheduler and extra_state to the newest durable
+    step under ``directory`` and return that step (0 for a missing or empty directory).
+
+    ``optimizer`` is normally the object ``lowdiff.wrap`` returned (its scheduler, extra_state and
+    grad_scaler are restored too, and it continues recording after the returned step); a plain
+    optimizer works as well, with scheduler/extra_state passed here.
+
+    Error-feedback residuals of a TopK compressor are per-rank and cannot be rebuilt from the
+    aggregated differentials: they are restored when the resumed step is a full checkpoint's
+    step and reset to zero otherwise (with a warning).
+    """
+    directory = os.fspath(directory)
+    wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
+    inner = wrapper.optimizer if wrapper else optimizer
+    if wrapper is not None:
+        scheduler = scheduler or wrapper.scheduler
+        extra_state = extra_state or wrapper.extra_state
+        grad_scaler = grad_scaler or wrapper.grad_scaler
+    extra_state = extra_state or {}
+    model = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+    params = [p for group in inner.param_groups for p in group["params"]]
+
+    def apply_full(index, state):
+        names = index.get("param_names", [])
+        if len(names) != len(params):
+            raise ValueError(f"{directory}: the checkpoint has {len(names)} optimizer parameters, "
+                             f"the optimizer passed to resume has {len(params)}")
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        capture.load_state_dicts(extra_state, state.get("extra") or {}, f"full checkpoint of step {index['step']}")
+        capture.restore_rng(state["rng"])
+        restore_grad_scaler(grad_scaler, state.get("grad_scaler"))
+
+    restored = restore(directory, params_for=lambda index: params, optimizer_for=lambda index: inner,
+                       apply_full=apply_full)
+    if restored is None:
+        if wrapper is not None:
+            wrapper._resumed_at(0, None)
+        return 0
+    record = restored.last_record
+    if record is not None:
+        objects = record.objects
+        capture.restore_buffers(model, objects["buffers"])
+        capture.restore_rng(objects["rng"])
+        if scheduler is not None and "scheduler" in objects:
+            scheduler.load_state_dict(objects["scheduler"])
+        capture.load_state_dicts(extra_state, objects["extra"], f"record of step {record.step}")
+        if "grad_scaler" in objects:
+            restore_grad_scaler(grad_scaler, objects["grad_scaler"])
+    residuals = restored.full_state.get("residuals") or {}
+    if record is not None and residuals:
+        warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
+             f"checkpoint step (the residual of step {restored.full_step} would be stale)")
+        residuals = {}
+    if wrapper is not None:
+        wrapper._resumed_at(restored.step, {int(k): v.clone() for k, v in residuals.items()})
+    return restored.step
