@@ -20,9 +20,10 @@ import torch
 
 from . import capture
 from .background import DiffWriter, FullWriter
-from .compress import Dense, decompress_into
+from .compress import Compressed, Dense, decompress_into
 from .config import WrapConfig
 from .controller import Controller
+from .ddp import AggregatedRecorder, CompressedAllReduce, distributed_rank, is_ddp
 from .errors import CheckpointError
 from .records import StepRecord
 from .store import CheckpointStore
@@ -74,6 +75,16 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._param_aliases = {k: slot_of[id(v)] for k, v in live_state.items() if id(v) in slot_of}
         persistent = set(live_state)
         self._buffer_names = {n for n, _ in self.model.named_buffers() if n in persistent}
+        self.rank, self.world_size = distributed_rank()
+        if self.world_size > 1:
+            # Each rank records its own stream (its RNG, sampler and residuals differ); resume
+            # makes all ranks agree on one step.
+            directory = rank_directory(directory, self.rank)
+        self._recorder = self.compressor
+        if is_ddp(model):
+            hook = CompressedAllReduce(self.compressor, self.residuals)
+            model.register_comm_hook(hook, CompressedAllReduce.hook)
+            self._recorder = AggregatedRecorder(sparse=self.compressor.name == "topk")
         self.store = CheckpointStore(directory, keep_full)
         self.directory = self.store.directory
         self._engine = engine
@@ -175,11 +186,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 continue
             if p.grad.is_sparse:
                 raise TypeError(f"parameter {self.param_names[slot]!r} has a sparse gradient; not supported")
-            compressed = self.compressor.compress(p.grad, slot, self.residuals)
-            if compressed.kind == "sparse":
-                decompress_into(compressed, p.grad)
-            elif compressed.values.data_ptr() != p.grad.data_ptr():
-                p.grad.view(-1).copy_(compressed.values)  # dense with error feedback: consume grad+residual
+            compressed = self._recorder.compress(p.grad, slot, self.residuals)
+            # Under DDP the comm hook already produced the gradient: it is recorded unchanged.
+            if self._recorder is self.compressor:
+                if compressed.kind == "sparse":
+                    decompress_into(compressed, p.grad)
+                elif self.compressor.error_feedback:
+                    p.grad.view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
             out.append(compressed)
         return out
 
@@ -267,17 +280,16 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise CheckpointError("resume must happen before the first step() of a lowdiff optimizer")
         self.step_count = step
         self._resumed = True
-        self.residuals = dict(residuals or {})
+        self.residuals.clear()  # in place: the DDP comm hook holds this dict
+        self.residuals.update(residuals or {})
 
 
-class _NoGrad:
-    kind = "none"
-    numel = 0
-    values = None
-    indices = None
+def rank_directory(directory, rank: int) -> str:
+    """Where rank ``rank`` of a multi-process run keeps its stream."""
+    return os.path.join(os.fspath(directory), f"rank-{rank:05d}")
 
 
-_NO_GRAD = _NoGrad()
+_NO_GRAD = Compressed("none", 0, None)
 
 
 def wrap(optimizer, model, directory, *, compressor=None, full_every=100, batch_steps=10, scheduler=None,

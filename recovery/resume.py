@@ -5,8 +5,12 @@ import os
 
 import torch
 
+import torch.distributed as dist
+
 from lowdiff import capture
-from lowdiff.wrapper import LowDiffOptimizer
+from lowdiff.ddp import distributed_rank
+from lowdiff.errors import CheckpointError
+from lowdiff.wrapper import LowDiffOptimizer, rank_directory
 
 from .restore import restore, warn
 
@@ -24,6 +28,13 @@ def restore_grad_scaler(scaler, stored) -> None:
                                  state["growth_interval"])
         state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
     scaler.load_state_dict(state)
+
+
+def _agree(step: int) -> tuple[int, int]:
+    """(min, max) of ``step`` over all ranks."""
+    values = torch.tensor([step, -step], dtype=torch.int64)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return int(values[0]), int(-values[1])
 
 
 def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extra_state=None,
@@ -63,8 +74,25 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
         capture.restore_rng(state["rng"])
         restore_grad_scaler(grad_scaler, state.get("grad_scaler"))
 
-    restored = restore(directory, params_for=lambda index: params, optimizer_for=lambda index: inner,
-                       apply_full=apply_full)
+    rank, world = distributed_rank()
+    if world > 1:
+        directory = rank_directory(directory, rank)
+    stop_step = None
+    for _ in range(3):
+        restored = restore(directory, params_for=lambda index: params, optimizer_for=lambda index: inner,
+                           apply_full=apply_full, stop_step=stop_step)
+        if world == 1:
+            break
+        # All ranks must resume at the same step: the smallest any rank can reach.
+        low, high = _agree(restored.step if restored else 0)
+        if low == high:
+            break
+        if low == 0:
+            raise CheckpointError(f"{directory}: some ranks have no checkpoint to resume from while "
+                                  f"others reach step {high}")
+        stop_step = low
+    else:
+        raise CheckpointError(f"ranks could not agree on a step to resume from (last try: {low}..{high})")
     if restored is None:
         if wrapper is not None:
             wrapper._resumed_at(0, None)

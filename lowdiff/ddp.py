@@ -1,0 +1,76 @@
+"""DistributedDataParallel support: a comm hook that compresses each rank's gradient bucket,
+exchanges the compressed parts, and aggregates them deterministically; and the recording of
+exactly what the hook returned.
+
+Aggregation: all ranks all-gather (indices, values) of their top-k selection; each rank adds the
+parts into a zero bucket in rank order with ``index_add_`` (indices unique per rank, so no
+atomics), then divides by the world size. Every rank computes the same bytes, and the optimizer
+consumes exactly them. The gradient handed to the optimizer is therefore sparse (the union of the
+ranks' selections); ``step()`` records its nonzero entries, which reproduce it exactly (the sum never
+yields -0.0: it starts from +0.0 and IEEE addition of opposite values gives +0.0).
+"""
+import torch
+import torch.distributed as dist
+
+from .compress import Compressed
+
+
+def is_ddp(model) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def distributed_rank() -> tuple[int, int]:
+    """(rank, world size), (0, 1) outside torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class CompressedAllReduce:
+    """DDP comm hook state and callable: ``model.register_comm_hook(state, state.hook)``."""
+
+    def __init__(self, compressor, residuals: dict, process_group=None):
+        self.compressor = compressor
+        self.residuals = residuals      # per-rank error-feedback residuals, keyed by bucket index
+        self.process_group = process_group
+
+    @staticmethod
+    def hook(state: "CompressedAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        # No postponed annotations in this module: DDP checks this return annotation at run time.
+        group = state.process_group
+        world = dist.get_world_size(group)
+        flat = bucket.buffer()
+        part = state.compressor.compress(flat, -1 - bucket.index(), state.residuals)
+        if part.kind == "dense":
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0].div_(world))
+        indices = [torch.empty_like(part.indices) for _ in range(world)]
+        values = [torch.empty_like(part.values) for _ in range(world)]
+        dist.all_gather(indices, part.indices.contiguous(), group=group)
+        dist.all_gather(values, part.values.contiguous(), group=group)
+        out = torch.zeros_like(flat)
+        for rank_indices, rank_values in zip(indices, values):  # fixed rank order: deterministic
+            out.index_add_(0, rank_indices.to(torch.int64), rank_values)
+        out.div_(world)
+        future = torch.futures.Future()
+        future.set_result(out)
+        return future
+
+
+class AggregatedRecorder:
+    """The compressor ``step()`` uses under DDP: the gradient already is what the hook returned;
+    record it as sparse (its nonzeros) or dense, without changing it."""
+
+    def __init__(self, sparse: bool):
+        self.sparse = sparse
+        self.error_feedback = False
+
+    def compress(self, grad: torch.Tensor, slot: int, residuals: dict) -> Compressed:
+        flat = grad.detach().reshape(-1)
+        if not self.sparse:
+            return Compressed("dense", flat.numel(), flat.clone())
+        indices = flat.nonzero().view(-1).to(torch.int32)
+        return Compressed("sparse", flat.numel(), flat.index_select(0, indices), indices)
+
+    def __repr__(self):
+        return f"AggregatedRecorder(sparse={self.sparse})"
