@@ -39,7 +39,7 @@ def byte_view(obj) -> memoryview:
             if not obj.is_contiguous():
                 raise TypeError("tensor must be contiguous to be written without a copy")
             if obj.numel() == 0:
-                return memoryview(b"")
+                return memoryview(bytearray())  # writable, so an empty tensor is a valid read target
             flat = obj.detach().reshape(-1).view(torch.uint8)
             return memoryview(flat.numpy())
     view = memoryview(obj)

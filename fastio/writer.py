@@ -52,8 +52,11 @@ class Writer:
         directory, name = os.path.split(os.path.abspath(self.path))
         self._directory = directory
         self._tmp_path = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        self._fd, self.direct = open_file(self._tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                                          self.config.direct)
+        try:
+            self._fd, self.direct = open_file(self._tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                              self.config.direct)
+        except OSError as exc:  # name the path the caller gave, not our hidden temporary name
+            raise io_error(exc.errno, "create", self.path) from None
         self._state = "open"
         self._size = 0          # logical bytes appended so far
         self._flushed = 0       # file offset where the current staging slot starts
@@ -61,6 +64,7 @@ class Writer:
         self._slots: list[_Slot] = []
         self._slot_index = 0
         self._tickets = []      # zero-copy writes in flight
+        self._allocated_bytes = 0  # file length set by size_hint's fallocate
         if size_hint:
             self._preallocate(size_hint)
 
@@ -81,11 +85,15 @@ class Writer:
         if view.nbytes == 0:
             return offset
         direct_bytes = 0
-        if self._fill == 0 and self._size % ALIGN_BYTES == 0 and buffer_address(view) % ALIGN_BYTES == 0:
+        aligned = self._size % ALIGN_BYTES == 0 and buffer_address(view) % ALIGN_BYTES == 0
+        if aligned and self._fill and view.nbytes >= ALIGN_BYTES:
+            # The staged bytes end on an aligned offset: write them out so this object goes zero-copy.
+            self._submit_current_slot(final=False)
+        if aligned and self._fill == 0:
             direct_bytes = view.nbytes - view.nbytes % ALIGN_BYTES
         if direct_bytes:
             self._tickets.append(self._engine.submit_write(
-                self._fd, view[:direct_bytes], self._size, self._tmp_path, self._priority, keepalive=obj))
+                self._fd, view[:direct_bytes], self._size, self.path, self._priority, keepalive=obj))
             self._size += direct_bytes
             self._flushed += direct_bytes
         if direct_bytes < view.nbytes:
@@ -107,7 +115,7 @@ class Writer:
         try:
             padded = self._submit_current_slot(final=True)
             self._wait_all()
-            if padded != self._size or self._size == 0:
+            if padded != self._size or self._size == 0 or self._allocated_bytes > self._size:
                 os.ftruncate(self._fd, self._size)
             os.fdatasync(self._fd)
         except OSError as exc:
@@ -169,8 +177,10 @@ class Writer:
             raise ValueError(f"fastio.Writer for {self.path!r} is {self._state}")
 
     def _preallocate(self, nbytes: int) -> None:
+        allocated = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
         try:
-            os.posix_fallocate(self._fd, 0, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+            os.posix_fallocate(self._fd, 0, allocated)
+            self._allocated_bytes = allocated
         except OSError as exc:
             if exc.errno in (95, 22):  # EOPNOTSUPP / EINVAL: filesystem cannot; not an error
                 return
@@ -183,7 +193,11 @@ class Writer:
             self._slots.append(_Slot(self.config.staging_slot_bytes))
         slot = self._slots[self._slot_index]
         if self._fill == 0:
-            slot.wait()  # its previous write must finish before we overwrite it
+            try:
+                slot.wait()  # its previous write must finish before we overwrite it
+            except BaseException:
+                self.abort()  # that write failed: the file has a hole, never commit it
+                raise
         return slot
 
     def _append_copy(self, view: memoryview) -> None:
@@ -213,7 +227,7 @@ class Writer:
             slot.array[nbytes:nbytes + pad] = 0
             nbytes += pad
         slot.ticket = self._engine.submit_write(self._fd, slot.buffer.view(0, nbytes), self._flushed,
-                                                self._tmp_path, self._priority, keepalive=slot.buffer)
+                                                self.path, self._priority, keepalive=slot.buffer)
         self._flushed += nbytes
         self._fill = 0
         # Round robin; the next slot is allocated on first use (index == len(slots)).

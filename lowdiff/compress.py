@@ -81,6 +81,8 @@ def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
         flat.copy_(record.values)
     else:
         flat.zero_()
-        # Indices are unique and sorted: a plain scatter, deterministic, no atomics.
-        flat.index_copy_(0, record.indices.to(torch.int64), record.values)
+        # Indices are unique and sorted: a plain scatter, deterministic, no atomics. Records read
+        # from disk live on the CPU; a CUDA gradient needs them on its device.
+        flat.index_copy_(0, record.indices.to(device=flat.device, dtype=torch.int64),
+                         record.values.to(flat.device))
     return out
