@@ -69,7 +69,7 @@ class TopK:
         values = flat.index_select(0, indices)
         if self.error_feedback:
             residual = flat.clone() if flat.data_ptr() == grad.data_ptr() else flat
-            residual.index_fill_(0, indices, 0)
+            residual.index_fill_(0, indices.to(torch.int64), 0)  # index_fill_ takes int64 only
             residuals[residual_slot] = residual
         return Compressed("sparse", numel, values, indices)
 
