@@ -96,6 +96,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._last_full_step = 0
         self._last_skipped = None
+        self._boundary = self._capture_boundary()
         _live.add(self)
         _install_exit_hooks()
 
@@ -211,6 +212,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return objects
 
     # ------------------------------------------------------------ full checkpoints
+    def _capture_boundary(self) -> dict:
+        """What the base checkpoint needs from the iteration boundary before the first step: it is
+        taken inside that step's step(), after its forward pass drew random numbers, advanced the
+        sampler and updated BatchNorm statistics."""
+        return {"rng": capture.capture_rng(), "extra": capture.state_dicts(self.extra_state),
+                "buffers": capture.module_buffers(self.model)}
+
     def _take_base(self) -> None:
         latest = self.store.latest_step()
         if not self._resumed and latest > self.step_count and not self.config.overwrite:
@@ -227,12 +235,14 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         scaler = None
         if self.grad_scaler is not None:
             scaler = {"state": self.grad_scaler.state_dict(), "found_inf": None if base else self._last_skipped}
+        boundary = self._boundary if base else None
+        self._boundary = None
         state = {
-            "model": dict(self.model.state_dict()),
+            "model": {**self.model.state_dict(), **(boundary["buffers"] if base else {})},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
-            "rng": capture.capture_rng(),
+            "extra": boundary["extra"] if base else {name: obj.state_dict() for name, obj in self.extra_state.items()},
+            "rng": boundary["rng"] if base else capture.capture_rng(),
             "residuals": dict(self.residuals),
             "grad_scaler": scaler,
         }
@@ -282,6 +292,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._resumed = True
         self.residuals.clear()  # in place: the DDP comm hook holds this dict
         self.residuals.update(residuals or {})
+        self._boundary = self._capture_boundary()  # the restored state is the boundary
 
 
 def rank_directory(directory, rank: int) -> str:
