@@ -54,5 +54,17 @@ def export(directory, output, *, step: int | None = None) -> int:
         out["scheduler"] = record.objects.get("scheduler")
         out["extra"] = record.objects["extra"]
         out["rng"] = record.objects["rng"]
-    torch.save(out, os.fspath(output))
+    # Tensors loaded from a full checkpoint are views of one read buffer, some under different
+    # dtypes, which torch.save refuses (and would otherwise store the whole buffer): give each its own.
+    torch.save(_own_storage(out), os.fspath(output))
     return restored.step
+
+
+def _own_storage(node):
+    if isinstance(node, torch.Tensor):
+        return node.detach().clone()
+    if isinstance(node, dict):
+        return {k: _own_storage(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_own_storage(v) for v in node)
+    return node
