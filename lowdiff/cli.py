@@ -12,7 +12,7 @@ import tempfile
 from .batchfile import BatchReader
 from .errors import CheckpointError, CorruptCheckpointError
 from .fullckpt import load_full, read_full_index
-from .manifest import load_manifest, plan_chain
+from .manifest import MANIFEST_NAME, load_manifest, plan_chain, read_manifest
 
 
 def _human(nbytes: int) -> str:
@@ -49,6 +49,12 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     """Read every listed file completely and check every checksum."""
+    try:  # resume can rebuild a damaged manifest from the files, but verify must still report it
+        read_manifest(args.directory)
+        manifest_problem = 0
+    except CorruptCheckpointError as exc:
+        manifest_problem = 1
+        print(f"CORRUPT  {exc}")
     manifest = load_manifest(args.directory, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     problems = 0
     for full in manifest.fulls:
@@ -74,8 +80,9 @@ def cmd_verify(args) -> int:
         except (CorruptCheckpointError, OSError, EOFError) as exc:
             problems += 1
             print(f"CORRUPT  {exc}")
-    print(f"{len(manifest.fulls) + len(manifest.batches) - problems} files verify, {problems} do not")
-    return 1 if problems else 0
+    print(f"{len(manifest.fulls) + len(manifest.batches) - problems} files verify, {problems} do not"
+          + (f"; {MANIFEST_NAME} does not verify" if manifest_problem else ""))
+    return 1 if problems or manifest_problem else 0
 
 
 def cmd_export(args) -> int:
