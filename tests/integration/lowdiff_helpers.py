@@ -1,0 +1,47 @@
+"""Helpers for the lowdiff integration tests (not a test module): a tiny in-process trainer."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+import lowdiff
+from lowdiff.demo import ShuffledSampler, batch
+
+FULL_EVERY = 6
+BATCH_STEPS = 3
+KEEP_FULL = 4
+
+
+def build():
+    """A tiny model with BatchNorm and Dropout, AdamW + cosine schedule, a stateful sampler."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.BatchNorm1d(48), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(48, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40)
+    return model, opt, sched, ShuffledSampler(size=1000, seed=0)
+
+
+def wrap(directory, model, opt, sched, sampler, **options):
+    options = {"full_every": FULL_EVERY, "batch_steps": BATCH_STEPS, "keep_full": KEEP_FULL, **options}
+    return lowdiff.wrap(opt, model, directory, compressor=lowdiff.TopK(ratio=0.1, min_numel=256),
+                        scheduler=sched, extra_state={"sampler": sampler}, **options)
+
+
+def train_steps(model, opt, sched, sampler, start, stop, on_step=None):
+    """Steps ``start+1 .. stop``: python, numpy and torch RNG, the sampler, BatchNorm and Dropout
+    all feed into the state, so any of them restored wrongly changes the result."""
+    for step in range(start, stop):
+        x, y = batch(sampler)
+        model.train()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if on_step:
+            on_step(step + 1)

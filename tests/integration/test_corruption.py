@@ -1,0 +1,444 @@
+"""Damaged checkpoint directories: every truncation and bit flip of a full checkpoint, a
+differential batch or the manifest is detected by ``verify``, and ``recovery.resume`` falls back to
+the newest state that verifies, says so, and restores that state bit for bit. Also: foreign files,
+wrong versions, the directory lock, resume/export edge cases.
+
+One short training run (in this process) provides a pristine directory and the exact state after
+every step; each test damages a copy of it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import lowdiff
+import recovery
+from lowdiff import cli, container
+from lowdiff.batchfile import BatchReader
+from lowdiff.demo import state_digest
+from lowdiff.fullckpt import load_full, read_full_index
+from lowdiff.manifest import MANIFEST_NAME, read_manifest
+from lowdiff.records import RECORD_HEADER
+from lowdiff_helpers import build, train_steps, wrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 23      # with lowdiff_helpers' settings: fulls 0, 6, 12, 18; batches 1-3, ..., 19-21, 22-23
+
+
+@dataclasses.dataclass
+class Run:
+    directory: str
+    digests: dict      # step -> digest of the whole training state after that step
+    states: dict       # step -> {"model", "optimizer", "scheduler", "sampler", "rng"} after that step
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Run:
+    directory = str(tmp_path_factory.mktemp("pristine") / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    digests, states = {}, {}
+
+    def snapshot(step):
+        digests[step] = state_digest(model, opt, sched, sampler)
+        states[step] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                        "optimizer": copy.deepcopy(opt.state_dict()), "scheduler": sched.state_dict(),
+                        "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
+
+    snapshot(0)
+    train_steps(model, opt, sched, sampler, 0, STEPS, snapshot)
+    opt.close()
+    manifest = read_manifest(directory)
+    assert sorted(f.step for f in manifest.fulls) == [0, 6, 12, 18]
+    assert [(b.first, b.last) for b in manifest.batches][-2:] == [(19, 21), (22, 23)]
+    assert manifest.durable_step() == STEPS
+    return Run(directory, digests, states)
+
+
+@pytest.fixture
+def ckpt(run, tmp_path) -> str:
+    directory = str(tmp_path / "ckpt")
+    shutil.copytree(run.directory, directory)
+    return directory
+
+
+def resume_fresh(directory):
+    """Resume into freshly built objects; returns (step, digest of the restored state)."""
+    model, opt, sched, sampler = build()
+    torch.manual_seed(12345)  # the restored RNG must not depend on the RNG before resume
+    step = recovery.resume(directory, model, opt, scheduler=sched, extra_state={"sampler": sampler})
+    return step, state_digest(model, opt, sched, sampler)
+
+
+def verify(directory, capsys) -> tuple[int, list]:
+    capsys.readouterr()
+    status = cli.main(["verify", directory])
+    return status, capsys.readouterr().out.splitlines()
+
+
+def files(directory):
+    manifest = read_manifest(directory)
+    fulls = {f.step: os.path.join(directory, f.file) for f in manifest.fulls}
+    batches = {(b.first, b.last): os.path.join(directory, b.file) for b in manifest.batches}
+    return fulls, batches
+
+
+# ------------------------------------------------------------------ the byte layout, independently
+def trailer_ranges(path: str) -> list:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(size - container.TRAILER.size)
+        index_offset, index_len, *_ = container.TRAILER.unpack(f.read())
+    return [(0, 12), (index_offset, index_offset + index_len), (size - container.TRAILER.size, size)]
+
+
+def full_covered(path: str) -> list:
+    """Byte ranges of a full checkpoint that hold data (preamble fields, tensors, objects, index,
+    trailer); the rest is alignment padding."""
+    index = read_full_index(path)
+    return trailer_ranges(path) + [(t["offset"], t["offset"] + t["nbytes"]) for t in index["tensors"]] + \
+        [(index["objects"]["offset"], index["objects"]["offset"] + index["objects"]["nbytes"])]
+
+
+def batch_records(path: str) -> list:
+    with BatchReader(path) as reader:
+        assert reader.index_error is None
+        return list(reader.entries)
+
+
+def batch_covered(path: str) -> list:
+    """Ranges of a batch file that are checked: preamble fields, records (except their reserved
+    flags field), index and trailer."""
+    ranges = trailer_ranges(path)
+    for _, offset, nbytes in batch_records(path):
+        ranges += [(offset, offset + 6), (offset + 8, offset + nbytes)]
+    return ranges
+
+
+def inside(offset: int, ranges: list) -> bool:
+    return any(a <= offset < b for a, b in ranges)
+
+
+def pick_offsets(rng, size: int, covered: list, count: int) -> list:
+    """Half uniformly over the file, half inside the covered ranges, plus the edges."""
+    covered_offsets = np.concatenate([np.arange(a, b) for a, b in covered])
+    picks = {0, size - 1}
+    picks.update(int(x) for x in rng.integers(0, size, count // 2))
+    picks.update(int(x) for x in rng.choice(covered_offsets, count - count // 2))
+    return sorted(picks)
+
+
+def expected_after_batch_damage(path: str, newest_chain: bool, truncate_at=None, flipped=None) -> int:
+    """The newest step that verifies after damaging the batch file ``path`` (pristine layout)."""
+    if not newest_chain:
+        return STEPS
+    records = batch_records(path)
+    first = records[0][0]
+    if truncate_at is not None:
+        intact = [r for r in records if r[1] + r[2] <= truncate_at]
+        return STEPS if len(intact) == len(records) else first - 1 + len(intact)
+    if flipped < 10:                 # magic or version: not a (readable) lowdiff file at all
+        return first - 1
+    for position, (_, offset, nbytes) in enumerate(records):
+        if offset <= flipped < offset + nbytes and not offset + 6 <= flipped < offset + 8:
+            return first - 1 + position
+    return STEPS                      # index or trailer: records are found by scanning
+
+
+def damage(path: str, mode: str, offset: int, bit: int = 0) -> None:
+    if mode == "truncate":
+        os.truncate(path, offset)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ (1 << bit)]))
+
+
+def check_resume(run, directory, expected_step, caplog, warns_about=None):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        step, digest = resume_fresh(directory)
+    assert step == expected_step
+    assert digest == run.digests[step], f"resumed state at step {step} differs from the uninterrupted run"
+    if warns_about is not None:
+        messages = [r.getMessage() for r in caplog.records if r.name == "lowdiff" and r.levelno >= logging.WARNING]
+        assert any(warns_about in m for m in messages), f"no warning naming {warns_about}: {messages}"
+
+
+# ------------------------------------------------------------------ the pristine directory
+def test_pristine_directory_verifies_and_resumes_exactly(run, ckpt, capsys, caplog):
+    status, lines = verify(ckpt, capsys)
+    assert status == 0, lines
+    assert lines[-1] == "12 files verify, 0 do not"
+    check_resume(run, ckpt, STEPS, caplog)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# ------------------------------------------------------------------ damage, file kind by file kind
+CASES = [("full", 18, True), ("full", 6, False), ("batch", (19, 21), True), ("batch", (22, 23), True),
+         ("batch", (7, 9), False)]
+
+
+@pytest.mark.parametrize("mode", ["truncate", "flip"])
+@pytest.mark.parametrize("kind,which,newest", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_damage_is_detected_and_resume_falls_back(run, tmp_path, capsys, caplog, rng, mode, kind, which, newest):
+    fulls, batches = files(run.directory)
+    pristine = fulls[which] if kind == "full" else batches[which]
+    name = os.path.basename(pristine)
+    size = os.path.getsize(pristine)
+    covered = full_covered(pristine) if kind == "full" else batch_covered(pristine)
+    offsets = pick_offsets(rng, size, covered, 8)
+    if mode == "truncate":
+        offsets = sorted(set(offsets) | {1, 15, 16, size - container.TRAILER.size})
+    for n, offset in enumerate(offsets):
+        directory = str(tmp_path / f"c{n}")
+        shutil.copytree(run.directory, directory)
+        path = os.path.join(directory, name)
+        bit = int(rng.integers(0, 8))
+        damage(path, mode, offset, bit)
+        detectable = mode == "truncate" or inside(offset, covered)
+        where = f"{mode} {name} at offset {offset} (bit {bit})"
+
+        status, lines = verify(directory, capsys)
+        if detectable:
+            assert status == 1, f"{where}: verify did not notice: {lines}"
+            assert any(line.startswith("CORRUPT") and name in line for line in lines), f"{where}: {lines}"
+            assert sum(line.startswith("CORRUPT") for line in lines) == 1, lines
+
+        if kind == "full":
+            # every kept full checkpoint still reaches the last step through the batches
+            expected, warns = STEPS, (name if newest and detectable else None)
+        else:
+            expected = expected_after_batch_damage(pristine, newest and detectable,
+                                                   truncate_at=offset if mode == "truncate" else None,
+                                                   flipped=offset if mode == "flip" else None)
+            warns = name if newest and detectable else None
+        try:
+            check_resume(run, directory, expected, caplog, warns)
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: {exc}") from None
+        shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "flip"])
+def test_damaged_manifest_is_detected_and_rebuilt(run, tmp_path, capsys, caplog, rng, mode):
+    size = os.path.getsize(os.path.join(run.directory, MANIFEST_NAME))
+    for n, offset in enumerate(pick_offsets(rng, size, [(0, size)], 8)):
+        directory = str(tmp_path / f"c{n}")
+        shutil.copytree(run.directory, directory)
+        damage(os.path.join(directory, MANIFEST_NAME), mode, offset, int(rng.integers(0, 8)))
+        status, lines = verify(directory, capsys)
+        assert status == 1, f"{mode} at {offset}: verify did not notice the damaged manifest: {lines}"
+        assert any(line.startswith("CORRUPT") and MANIFEST_NAME in line for line in lines), lines
+        check_resume(run, directory, STEPS, caplog, warns_about=MANIFEST_NAME)
+        shutil.rmtree(directory)
+
+
+def test_missing_manifest_is_rebuilt(run, ckpt, caplog):
+    os.unlink(os.path.join(ckpt, MANIFEST_NAME))
+    check_resume(run, ckpt, STEPS, caplog, warns_about=MANIFEST_NAME)
+
+
+def test_verify_command_line(run, ckpt):
+    """The real ``python -m lowdiff verify`` process: exit status and the file it names."""
+    fulls, batches = files(ckpt)
+    damage(batches[(10, 12)], "flip", batch_records(batches[(10, 12)])[1][1] + 40)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "lowdiff", "verify", ckpt], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    corrupt = [line for line in proc.stdout.splitlines() if line.startswith("CORRUPT")]
+    assert len(corrupt) == 1 and os.path.basename(batches[(10, 12)]) in corrupt[0] and "step 11" in corrupt[0]
+
+
+def test_continuing_after_a_fallback_is_exact(run, ckpt, caplog):
+    """Damage record 20; resume lands on 19, training on reproduces the uninterrupted run."""
+    _, batches = files(ckpt)
+    damage(batches[(19, 21)], "flip", batch_records(batches[(19, 21)])[1][1] + RECORD_HEADER.size + 3)
+    model, opt, sched, sampler = build()
+    opt = wrap(ckpt, model, opt, sched, sampler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lowdiff"):
+            start = recovery.resume(ckpt, model, opt)
+        assert start == 19
+        assert state_digest(model, opt, sched, sampler) == run.digests[19]
+        seen = {}
+        train_steps(model, opt, sched, sampler, start, STEPS,
+                    lambda step: seen.setdefault(step, state_digest(model, opt, sched, sampler)))
+        assert seen == {s: run.digests[s] for s in range(20, STEPS + 1)}
+    finally:
+        opt.close()
+    step, digest = resume_fresh(ckpt)
+    assert (step, digest) == (STEPS, run.digests[STEPS])
+    assert not os.path.exists(batches[(19, 21)]), "the abandoned timeline must be dropped"
+
+
+def test_nothing_verifies(ckpt):
+    fulls, _ = files(ckpt)
+    for path in fulls.values():
+        damage(path, "flip", os.path.getsize(path) - 1)
+    with pytest.raises(lowdiff.NoCheckpointError, match="no full checkpoint verifies"):
+        resume_fresh(ckpt)
+
+
+# ------------------------------------------------------------------ foreign files, versions
+def test_foreign_file_under_a_checkpoint_name(run, ckpt, rng, capsys, caplog):
+    fulls, batches = files(ckpt)
+    for path in (fulls[18], batches[(19, 21)]):
+        size = os.path.getsize(path)
+        with open(path, "wb") as f:
+            f.write(rng.bytes(size))
+    with pytest.raises(lowdiff.ForeignFileError, match="not a lowdiff file") as info:
+        load_full(fulls[18])
+    assert info.value.path == fulls[18] and fulls[18] in str(info.value)
+    with pytest.raises(lowdiff.ForeignFileError) as info:
+        BatchReader(batches[(19, 21)])
+    assert info.value.path == batches[(19, 21)]
+    status, lines = verify(ckpt, capsys)
+    assert status == 1
+    corrupt = [line for line in lines if line.startswith("CORRUPT")]
+    assert len(corrupt) == 2 and all("not a lowdiff file" in line for line in corrupt)
+    check_resume(run, ckpt, 18, caplog, warns_about=os.path.basename(batches[(19, 21)]))
+
+    manifest = os.path.join(ckpt, MANIFEST_NAME)
+    with open(manifest, "wb") as f:
+        f.write(rng.bytes(os.path.getsize(manifest)))
+    with pytest.raises(lowdiff.CorruptCheckpointError, match="manifest is not valid") as info:
+        read_manifest(ckpt)
+    assert info.value.path == manifest
+    check_resume(run, ckpt, 18, caplog, warns_about=MANIFEST_NAME)
+
+
+def test_wrong_version(run, ckpt, capsys, caplog):
+    fulls, batches = files(ckpt)
+    for path in (fulls[18], batches[(22, 23)]):
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(struct.pack("<H", 2))
+    with pytest.raises(lowdiff.VersionMismatchError, match="version 2") as info:
+        load_full(fulls[18])
+    assert info.value.path == fulls[18]
+    with pytest.raises(lowdiff.VersionMismatchError) as info:
+        BatchReader(batches[(22, 23)])
+    assert info.value.path == batches[(22, 23)]
+    status, lines = verify(ckpt, capsys)
+    assert status == 1 and sum(line.startswith("CORRUPT") and "version 2" in line for line in lines) == 2
+    check_resume(run, ckpt, 21, caplog, warns_about=os.path.basename(fulls[18]))
+
+
+def test_manifest_of_another_version(run, ckpt, caplog):
+    path = os.path.join(ckpt, MANIFEST_NAME)
+    outer = json.loads(open(path, "rb").read())
+    outer["manifest"]["version"] = 2
+    outer["crc32"] = zlib.crc32(json.dumps(outer["manifest"], indent=1, sort_keys=True).encode())
+    with open(path, "w") as f:
+        json.dump(outer, f)
+    with pytest.raises(lowdiff.VersionMismatchError) as info:
+        read_manifest(ckpt)
+    assert info.value.path == path
+    check_resume(run, ckpt, STEPS, caplog, warns_about=MANIFEST_NAME)
+
+
+def test_batch_file_named_after_another_kind(ckpt):
+    fulls, batches = files(ckpt)
+    shutil.copyfile(batches[(7, 9)], fulls[6])
+    with pytest.raises(lowdiff.CorruptCheckpointError, match="expected a full checkpoint") as info:
+        load_full(fulls[6])
+    assert info.value.path == fulls[6]
+
+
+# ------------------------------------------------------------------ misuse and edge cases
+def test_two_trainers_on_one_directory(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    first = wrap(directory, model, opt, sched, sampler)
+    try:
+        model2, opt2, sched2, sampler2 = build()
+        with pytest.raises(lowdiff.CheckpointLockedError, match="another trainer"):
+            wrap(directory, model2, opt2, sched2, sampler2)
+    finally:
+        first.close()
+    model2, opt2, sched2, sampler2 = build()
+    wrap(directory, model2, opt2, sched2, sampler2).close()  # the lock is released by close()
+
+
+def test_wrap_without_resume_refuses_to_train_over_checkpoints(ckpt):
+    before = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt) if name != "LOCK"}
+    model, opt, sched, sampler = build()
+    opt = wrap(ckpt, model, opt, sched, sampler)
+    try:
+        model(torch.randn(4, 32)).sum().backward()
+        with pytest.raises(lowdiff.CheckpointError, match="recovery.resume"):
+            opt.step()
+    finally:
+        opt.close()
+    after = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt) if name != "LOCK"}
+    assert after == before, "a refused step must not change the directory"
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_resume_of_a_missing_or_empty_directory_returns_zero(tmp_path, wrapped):
+    for directory in (str(tmp_path / "missing"), str(tmp_path / "empty")):
+        if directory.endswith("empty"):
+            os.makedirs(directory)
+        model, opt, sched, sampler = build()
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        if wrapped:
+            if directory.endswith("missing"):
+                continue  # wrap creates the directory; covered by "empty"
+            opt = wrap(directory, model, opt, sched, sampler)
+        try:
+            assert recovery.resume(directory, model, opt, scheduler=sched, extra_state={"sampler": sampler}) == 0
+        finally:
+            if wrapped:
+                opt.close()
+        assert all(torch.equal(initial[k], v) for k, v in model.state_dict().items())
+        assert sampler.state_dict() == {"epoch": 0, "position": 0}
+
+
+@pytest.mark.parametrize("step", [0, 12, 17, 20, STEPS, None])
+def test_export_of_a_step_equals_the_state_at_that_step(run, tmp_path, step):
+    out = str(tmp_path / "out.pt")
+    if step == 20:  # through the command line
+        assert cli.main(["export", run.directory, "--step", "20", "-o", out]) == 0
+    else:
+        assert recovery.export(run.directory, out, step=step) == (STEPS if step is None else step)
+    step = STEPS if step is None else step
+    exported = torch.load(out, weights_only=True)
+    want = run.states[step]
+    assert exported["step"] == step
+    assert set(exported["model"]) == set(want["model"])
+    for key, tensor in want["model"].items():
+        assert torch.equal(exported["model"][key], tensor), f"model[{key!r}] at step {step}"
+        assert exported["model"][key].dtype == tensor.dtype
+    opt_state = exported["optimizer"]["state"]
+    assert set(opt_state) == set(want["optimizer"]["state"])
+    for index, entry in want["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(opt_state[index][key]), torch.as_tensor(value)), f"optimizer {index}/{key}"
+    assert exported["optimizer"]["param_groups"][0]["lr"] == want["optimizer"]["param_groups"][0]["lr"]
+    assert exported["scheduler"] == want["scheduler"]
+    assert exported["extra"] == {"sampler": want["sampler"]}
+    assert torch.equal(exported["rng"]["torch"], want["rng"])
+
+
+def test_export_of_a_step_that_is_gone(run, tmp_path):
+    out = str(tmp_path / "out.pt")
+    with pytest.raises(lowdiff.NoCheckpointError):
+        recovery.export(run.directory, out, step=STEPS + 5)
+    assert not os.path.exists(out)

@@ -1,0 +1,361 @@
+"""Properties of the step-record encoding, batch files and compressors, and the public names."""
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastio
+import lowdiff
+import recovery
+from lowdiff.batchfile import BatchReader, write_batch
+from lowdiff.compress import Compressed, Dense, TopK, decompress_into
+from lowdiff.errors import CorruptCheckpointError
+from lowdiff.records import RECORD_HEADER, StepRecord, decode_record, encode_record
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+# ------------------------------------------------------------------ strategies
+@st.composite
+def values_of(draw, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` values of ``dtype`` with random bit patterns (NaNs, infs, -0.0 included): exactness
+    must not depend on the values being 'nice'."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = draw(st.binary(min_size=count * itemsize, max_size=count * itemsize))
+    return torch.frombuffer(bytearray(raw), dtype=dtype) if count else torch.empty(0, dtype=dtype)
+
+
+@st.composite
+def sparse_grads(draw) -> Compressed:
+    numel = draw(st.integers(1, 2**31 - 1))
+    nnz = draw(st.integers(1, min(numel, 40)))
+    indices = sorted(draw(st.sets(st.integers(0, numel - 1), min_size=nnz, max_size=nnz)))
+    dtype = draw(st.sampled_from(DTYPES))
+    return Compressed("sparse", numel, draw(values_of(nnz, dtype)), torch.tensor(indices, dtype=torch.int32))
+
+
+@st.composite
+def dense_grads(draw) -> Compressed:
+    numel = draw(st.integers(0, 64))
+    return Compressed("dense", numel, draw(values_of(numel, draw(st.sampled_from(DTYPES)))))
+
+
+grads = st.one_of(sparse_grads(), dense_grads(), st.just(Compressed("none", 0, None)))
+
+
+@st.composite
+def step_records(draw) -> StepRecord:
+    step = draw(st.integers(1, 2**40))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))  # deterministic per example
+    objects = {"groups_used": [{"lr": draw(st.floats(allow_nan=False)), "betas": (0.9, 0.999)}],
+               "rng": {"torch": gen.get_state()},
+               "buffers": {"bn.running_mean": torch.randn(3, generator=gen)},
+               "extra": {"sampler": {"epoch": draw(st.integers(0, 10)), "position": 3}}}
+    return StepRecord(step, draw(st.booleans()), draw(st.lists(grads, max_size=6)), objects)
+
+
+def encoded(record: StepRecord) -> bytes:
+    return b"".join(bytes(b) for b in encode_record(record))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        a.contiguous().view(torch.uint8).tolist() == b.contiguous().view(torch.uint8).tolist()
+
+
+def assert_same_record(decoded: StepRecord, record: StepRecord) -> None:
+    assert decoded.step == record.step and decoded.skipped == record.skipped
+    assert len(decoded.grads) == len(record.grads)
+    for got, want in zip(decoded.grads, record.grads):
+        assert (got.kind, got.numel) == (want.kind, want.numel)
+        if want.kind == "none":
+            assert got.values is None
+            continue
+        assert same_bits(got.values, want.values), "gradient values must round trip bit for bit"
+        if want.kind == "sparse":
+            assert got.indices.dtype == torch.int32
+            assert torch.equal(got.indices, want.indices)
+    assert_same_tree(decoded.objects, record.objects)
+
+
+def assert_same_tree(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and same_bits(got, want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want)
+        for key in want:
+            assert_same_tree(got[key], want[key])
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for a, b in zip(got, want):
+            assert_same_tree(a, b)
+    else:
+        assert got == want or (got != got and want != want)  # NaN == NaN here
+
+
+# ------------------------------------------------------------------ records
+@SETTINGS
+@given(step_records())
+def test_record_round_trip(record):
+    data = encoded(record)
+    assert_same_record(decode_record(data, "mem", 0, expected_step=record.step), record)
+
+
+@SETTINGS
+@given(sparse_grads())
+def test_delta_encoded_indices_round_trip_exactly(grad):
+    record = StepRecord(7, False, [grad], {})
+    (got,) = decode_record(encoded(record), "mem", 0).grads
+    assert got.indices.tolist() == grad.indices.tolist()
+    # and the gradient it stands for is the same dense tensor (indices remapped into a small one)
+    if int(grad.indices.max()) >= 4096:
+        return
+    numel = int(grad.indices.max()) + 1
+    want = torch.zeros(numel, dtype=grad.values.dtype)
+    have = torch.zeros(numel, dtype=grad.values.dtype)
+    decompress_into(Compressed("sparse", numel, grad.values, grad.indices), want)
+    decompress_into(Compressed("sparse", numel, got.values, got.indices), have)
+    assert same_bits(have, want)
+
+
+def test_indices_at_the_int32_limits_round_trip():
+    idx = torch.tensor([0, 1, 2**31 - 2, 2**31 - 1], dtype=torch.int32)
+    record = StepRecord(1, False, [Compressed("sparse", 2**31, torch.arange(4.0), idx)], {})
+    (got,) = decode_record(encoded(record), "mem", 0).grads
+    assert got.indices.tolist() == idx.tolist()
+
+
+@SETTINGS
+@given(step_records(), st.data())
+def test_any_truncation_of_a_record_is_detected(record, data):
+    blob = encoded(record)
+    cut = data.draw(st.integers(0, len(blob) - 1), label="cut")
+    with pytest.raises(CorruptCheckpointError, match="truncated") as info:
+        decode_record(blob[:cut], "some/file.ldd", 128)
+    assert info.value.path == "some/file.ldd" and "offset 128" in str(info.value)
+
+
+@SETTINGS
+@given(step_records(), st.data())
+def test_a_bit_flip_in_a_record_body_fails_the_checksum(record, data):
+    blob = bytearray(encoded(record))
+    position = data.draw(st.integers(RECORD_HEADER.size, len(blob) - 1), label="byte")
+    blob[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        decode_record(bytes(blob), "f", 0, expected_step=record.step)
+
+
+# Header fields: magic (0-3), version (4-5), flags (6-7, reserved), step (8-15), packed length
+# (16-19), raw length (20-27), crc (28-31). The flags are neither checked nor checksummed.
+CHECKED_HEADER_BYTES = [b for b in range(RECORD_HEADER.size) if b not in (6, 7)]
+
+
+@SETTINGS
+@given(step_records(), st.sampled_from(CHECKED_HEADER_BYTES), st.integers(0, 7))
+def test_a_bit_flip_in_a_record_header_is_detected(record, position, bit):
+    blob = bytearray(encoded(record))
+    blob[position] ^= 1 << bit
+    with pytest.raises(CorruptCheckpointError):
+        decode_record(bytes(blob), "f", 0, expected_step=record.step)
+
+
+# ------------------------------------------------------------------ batch files
+def _batch_records(count: int = 4, first: int = 11):
+    gen = torch.Generator().manual_seed(5)
+    records = []
+    for step in range(first, first + count):
+        idx = torch.sort(torch.randperm(1000, generator=gen)[:20].to(torch.int32)).values
+        grads = [Compressed("sparse", 1000, torch.randn(20, generator=gen), idx),
+                 Compressed("dense", 8, torch.randn(8, generator=gen).to(torch.bfloat16)),
+                 Compressed("none", 0, None)]
+        records.append(StepRecord(step, False, grads, {"extra": {"n": step}}))
+    return records
+
+
+@pytest.fixture(scope="module")
+def batch_file(tmp_path_factory):
+    """(bytes of a 4-record batch file, the records, [(step, offset, nbytes)] from its index)."""
+    path = str(tmp_path_factory.mktemp("batch") / "diff-000000000011-000000000014-abcdef01.ldd")
+    records = _batch_records()
+    write_batch(path, "abcdef01", [(r.step, encode_record(r)) for r in records])
+    with BatchReader(path) as reader:
+        assert reader.index_error is None
+        entries = list(reader.entries)
+        for position, record in enumerate(records):
+            assert_same_record(reader.read_record(position), record)
+    with open(path, "rb") as f:
+        return f.read(), records, entries
+
+
+def test_batch_file_index_lists_consecutive_records(batch_file):
+    data, records, entries = batch_file
+    assert [e[0] for e in entries] == [r.step for r in records]
+    assert entries[0][1] == 16  # right after the preamble
+    for (_, offset, nbytes), (_, next_offset, _) in zip(entries, entries[1:]):
+        assert offset + nbytes == next_offset
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_any_truncation_of_a_batch_file_is_detected_and_the_valid_prefix_kept(batch_file, data):
+    blob, records, entries = batch_file
+    cut = data.draw(st.integers(0, len(blob) - 1), label="cut")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "diff-000000000011-000000000014-abcdef01.ldd")
+        with open(path, "wb") as f:
+            f.write(blob[:cut])
+        with BatchReader(path) as reader:
+            assert isinstance(reader.index_error, CorruptCheckpointError), f"truncation at {cut} went unnoticed"
+            assert reader.index_error.path == path
+            complete = [e for e in entries if e[1] + e[2] <= cut]
+            assert reader.entries == complete
+            for position, record in enumerate(records[:len(complete)]):
+                assert_same_record(reader.read_record(position), record)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_a_bit_flip_in_a_batch_record_is_detected(batch_file, data):
+    blob, records, entries = batch_file
+    which = data.draw(st.integers(0, len(entries) - 1), label="record")
+    _, offset, nbytes = entries[which]
+    position = data.draw(st.sampled_from([offset + b for b in CHECKED_HEADER_BYTES] +
+                                         list(range(offset + RECORD_HEADER.size, offset + nbytes))), label="byte")
+    damaged = bytearray(blob)
+    damaged[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "diff-000000000011-000000000014-abcdef01.ldd")
+        with open(path, "wb") as f:
+            f.write(damaged)
+        with BatchReader(path) as reader:
+            assert reader.index_error is None
+            for position_ in range(which):
+                assert_same_record(reader.read_record(position_), records[position_])
+            with pytest.raises(CorruptCheckpointError) as info:
+                reader.read_record(which)
+            assert info.value.path == path
+
+
+# ------------------------------------------------------------------ compressors
+@st.composite
+def gradients(draw, min_numel=1, max_numel=3000):
+    numel = draw(st.integers(min_numel, max_numel))
+    seed = draw(st.integers(0, 2**32 - 1))
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    if draw(st.booleans()):  # ties and zeros
+        grad = torch.round(grad * 2) / 2
+    shape = draw(st.sampled_from([(numel,), (1, numel)]))
+    return grad.reshape(shape)
+
+
+@SETTINGS
+@given(gradients(), st.floats(0.0001, 1.0), st.integers(1, 512))
+def test_topk_picks_the_largest_sorted_unique_int32(grad, ratio, min_numel):
+    before = grad.clone()
+    compressor = TopK(ratio=ratio, min_numel=min_numel)
+    out = compressor.compress(grad, 0, {})
+    flat = grad.reshape(-1)
+    assert torch.equal(grad, before), "compress must not modify the gradient"
+    assert out.numel == flat.numel()
+    if flat.numel() < min_numel:
+        assert out.kind == "dense" and out.indices is None
+        assert same_bits(out.values, flat)
+        return
+    assert out.kind == "sparse"
+    k = max(1, int(ratio * flat.numel()))
+    assert out.indices.dtype == torch.int32 and out.indices.numel() == k
+    idx = out.indices.to(torch.int64)
+    assert bool((idx[1:] > idx[:-1]).all()), "indices must be sorted and unique"
+    assert 0 <= int(idx[0]) and int(idx[-1]) < flat.numel()
+    assert same_bits(out.values, flat[idx])
+    dropped = torch.ones(flat.numel(), dtype=torch.bool)
+    dropped[idx] = False
+    if dropped.any():
+        assert flat[idx].abs().min() >= flat[dropped].abs().max()
+    # decompress_into reproduces exactly: kept values in place, zero elsewhere
+    target = torch.full_like(grad, float("nan"))
+    decompress_into(out, target)
+    want = torch.zeros_like(flat)
+    want[idx] = flat[idx]
+    assert same_bits(target.reshape(-1), want)
+
+
+@SETTINGS
+@given(gradients(max_numel=200))
+def test_dense_records_the_gradient_unchanged(grad):
+    out = Dense().compress(grad, 3, {})
+    assert out.kind == "dense" and out.indices is None and out.numel == grad.numel()
+    assert same_bits(out.values, grad.reshape(-1))
+    assert out.values.data_ptr() != grad.data_ptr(), "the record must not alias the live gradient"
+    target = torch.zeros_like(grad)
+    decompress_into(out, target)
+    assert same_bits(target, grad)
+
+
+@SETTINGS
+@given(st.lists(gradients(min_numel=600, max_numel=600), min_size=1, max_size=4), st.floats(0.001, 0.5))
+def test_topk_error_feedback_keeps_what_was_not_sent(steps, ratio):
+    compressor = TopK(ratio=ratio, error_feedback=True, min_numel=64)
+    residuals: dict = {}
+    previous = torch.zeros(600)
+    for grad in steps:
+        out = compressor.compress(grad, 5, residuals)
+        sent = decompress_into(out, torch.zeros(600))
+        want = (grad.reshape(-1) + previous) - sent
+        assert torch.equal(residuals[5], want)
+        assert torch.equal(sent[out.indices.long()], (grad.reshape(-1) + previous)[out.indices.long()])
+        previous = residuals[5].clone()
+
+
+def test_topk_error_feedback_on_a_tiny_tensor_sends_everything():
+    compressor = TopK(ratio=0.1, error_feedback=True, min_numel=64)
+    residuals = {0: torch.full((10,), 0.25)}
+    grad = torch.arange(10.0)
+    out = compressor.compress(grad, 0, residuals)
+    assert out.kind == "dense" and torch.equal(out.values, grad + 0.25)
+    assert residuals.get(0) is None or not residuals[0].any()
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5])
+def test_topk_rejects_bad_ratio(bad):
+    with pytest.raises(ValueError, match="ratio"):
+        TopK(ratio=bad)
+
+
+# ------------------------------------------------------------------ public names
+def test_public_names_are_pinned():
+    assert sorted(lowdiff.__all__) == [
+        "CheckpointError", "CheckpointLockedError", "CorruptCheckpointError", "Dense", "ForeignFileError",
+        "LowDiffOptimizer", "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
+    assert sorted(recovery.__all__) == ["export", "resume"]
+    assert sorted(fastio.__all__) == [
+        "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
+        "aligned_buffer", "backend", "engine", "make_engine"]
+    for module in (lowdiff, recovery, fastio):
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name} is in __all__ but missing"
+    errors = [lowdiff.CorruptCheckpointError, lowdiff.ForeignFileError, lowdiff.VersionMismatchError,
+              lowdiff.CheckpointLockedError, lowdiff.NoCheckpointError]
+    assert all(issubclass(e, lowdiff.CheckpointError) for e in errors)
+    assert issubclass(lowdiff.ForeignFileError, lowdiff.CorruptCheckpointError)
+    assert issubclass(lowdiff.VersionMismatchError, lowdiff.CorruptCheckpointError)
+
+
+def test_record_header_layout_is_pinned():
+    """The header is 32 bytes, little-endian, as docs/format.md states."""
+    record = StepRecord(0x0102030405, False, [Compressed("dense", 2, torch.tensor([1.0, 2.0]))], {})
+    header = bytes(encode_record(record)[0])
+    assert len(header) == 32 == RECORD_HEADER.size
+    magic, version, flags, step = struct.unpack_from("<4sHHQ", header)
+    assert (magic, version, flags, step) == (b"LDRC", 1, 0, 0x0102030405)
+    (raw_bytes,) = struct.unpack_from("<Q", header, 20)
+    assert raw_bytes == 8
+    assert np.frombuffer(encoded(record)[-8:], dtype=np.float32).tolist() == [1.0, 2.0]
