@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 import numpy as np
 
@@ -55,12 +56,16 @@ class AlignedBuffer:
     there with O_DIRECT, so the snapshot copy and the I/O staging are the same memcpy.
     """
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, populate: bool = False):
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
         self.nbytes = nbytes
         # mmap of length 0 is not allowed; round up to whole pages so O_DIRECT tails fit.
-        self._map = mmap.mmap(-1, max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES))
+        length = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        # MAP_POPULATE faults every page in at once: first-touch page faults otherwise run at
+        # ~1 GB/s and would make the first copy into new staging memory 5-10x slower than memcpy.
+        flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._map = mmap.mmap(-1, length, flags=flags)
         self._view = memoryview(self._map)
         self.address = buffer_address(self._view)
 
@@ -74,12 +79,42 @@ class AlignedBuffer:
     def numpy(self) -> np.ndarray:
         return np.frombuffer(self._view, dtype=np.uint8, count=self.nbytes)
 
-    def tensor(self):
+    def tensor(self, nbytes: int | None = None):
+        """A uint8 tensor over the first ``nbytes`` (default: all requested) bytes."""
         import torch
 
-        return torch.frombuffer(self._view, dtype=torch.uint8, count=self.nbytes) if self.nbytes else torch.empty(0, dtype=torch.uint8)
+        count = self.nbytes if nbytes is None else nbytes
+        if count > self.capacity_bytes:
+            raise ValueError(f"{count} bytes exceed the buffer's {self.capacity_bytes}")
+        return torch.frombuffer(self._view, dtype=torch.uint8, count=count) if count else torch.empty(0, dtype=torch.uint8)
 
 
-def aligned_buffer(nbytes: int) -> AlignedBuffer:
-    """Allocate ``nbytes`` of 4096-aligned staging memory."""
-    return AlignedBuffer(nbytes)
+def aligned_buffer(nbytes: int, populate: bool = False) -> AlignedBuffer:
+    """Allocate ``nbytes`` of 4096-aligned staging memory (``populate``: pre-fault its pages)."""
+    return AlignedBuffer(nbytes, populate)
+
+
+class StagingPool:
+    """A process-wide free list of pre-faulted staging buffers, so that each new Writer copies into
+    memory whose pages already exist instead of paying page faults on every checkpoint."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._free: list[AlignedBuffer] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> AlignedBuffer:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.nbytes == nbytes:
+                    return self._free.pop(i)
+        return AlignedBuffer(nbytes, populate=True)
+
+    def give(self, buffer: AlignedBuffer) -> None:
+        """Return a buffer no I/O is using any more."""
+        with self._lock:
+            if sum(b.capacity_bytes for b in self._free) + buffer.capacity_bytes <= self.max_bytes:
+                self._free.append(buffer)
+
+
+staging_pool = StagingPool()

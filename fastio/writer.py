@@ -15,7 +15,7 @@ from . import _engine
 from ._config import ALIGN_BYTES, FastioConfig
 from ._errors import io_error
 from ._files import fsync_directory, open_file
-from ._memory import AlignedBuffer, buffer_address, byte_view
+from ._memory import buffer_address, byte_view, staging_pool
 from ._select import engine as shared_engine
 
 
@@ -25,7 +25,7 @@ class _Slot:
     __slots__ = ("buffer", "array", "ticket")
 
     def __init__(self, nbytes: int):
-        self.buffer = AlignedBuffer(nbytes)
+        self.buffer = staging_pool.take(nbytes)
         self.array = self.buffer.numpy()
         self.ticket = None
 
@@ -115,6 +115,7 @@ class Writer:
         try:
             padded = self._submit_current_slot(final=True)
             self._wait_all()
+            self._release_slots()
             if padded != self._size or self._size == 0 or self._allocated_bytes > self._size:
                 os.ftruncate(self._fd, self._size)
             os.fdatasync(self._fd)
@@ -144,6 +145,7 @@ class Writer:
         self._state = "aborted"
         try:
             self._wait_all(raise_errors=False)
+            self._release_slots()
         finally:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -151,6 +153,12 @@ class Writer:
             _unlink_quietly(self._tmp_path)
 
     close = commit
+
+    def _release_slots(self) -> None:
+        """Hand the staging slots back to the pool (every write reading them has completed)."""
+        for slot in self._slots:
+            staging_pool.give(slot.buffer)
+        self._slots = []
 
     def __enter__(self):
         return self

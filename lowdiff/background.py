@@ -130,6 +130,17 @@ class FullWriter:
                                         name="lowdiff-full-writer", daemon=True)
         self._thread.start()
 
+    def prepare(self, payload_bytes: int) -> None:
+        """Pre-fault staging for the next full checkpoint in the background."""
+        def run():
+            try:
+                self._snapshot.prepare(payload_bytes)
+            except BaseException as exc:
+                self._errors.error = exc
+        self.wait()
+        self._thread = threading.Thread(target=run, name="lowdiff-staging-prefault", daemon=True)
+        self._thread.start()
+
     def _persist(self, step: int, base: bool) -> None:
         try:
             started = time.perf_counter()

@@ -54,6 +54,7 @@ class Snapshot:
 
     def __init__(self):
         self._buffer: fastio.AlignedBuffer | None = None
+        self.spare: fastio.AlignedBuffer | None = None  # pre-faulted in the background by prepare()
         self.step = -1
         self.entries: list[TensorEntry] = []
         self.payload_bytes = 0
@@ -66,14 +67,24 @@ class Snapshot:
         entries, payload_bytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
             self._buffer = None
-            self._buffer = fastio.aligned_buffer(payload_bytes)
-        staging = self._buffer.tensor() if payload_bytes else torch.empty(0, dtype=torch.uint8)
+            spare, self.spare = self.spare, None
+            if spare is not None and spare.capacity_bytes >= payload_bytes:
+                self._buffer = spare
+            else:
+                self._buffer = fastio.aligned_buffer(payload_bytes, populate=True)
+        staging = self._buffer.tensor(payload_bytes)
         for entry, (_, tensor) in zip(entries, tensors):
             if entry.nbytes:
                 _staging_view(staging, entry).copy_(tensor.detach())
         self.step, self.entries, self.payload_bytes = step, entries, payload_bytes
         self.objects = tree.dumps(skeleton)
         self.meta = meta
+
+    def prepare(self, payload_bytes: int) -> None:
+        """Allocate and pre-fault staging for a state of about ``payload_bytes`` (call off the
+        training thread), so the next ``take`` copies at memcpy speed instead of page-fault speed."""
+        if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
+            self.spare = fastio.aligned_buffer(payload_bytes, populate=True)
 
     def persist(self, path: str, session: str, *, engine=None) -> int:
         """Write the snapshot to ``path`` and commit it. Returns the file size in bytes."""

@@ -97,6 +97,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._last_full_step = 0
         self._last_skipped = None
         self._boundary = self._capture_boundary()
+        self._staging_prepared = False
         _live.add(self)
         _install_exit_hooks()
 
@@ -157,7 +158,18 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._diffs.put(record)
         if self.step_count - self._last_full_step >= self.controller.full_every:
             self._take_full(base=False)
+        elif not self._staging_prepared:
+            # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
+            self._staging_prepared = True
+            self._fulls.prepare(self._state_nbytes())
         return loss
+
+    def _state_nbytes(self) -> int:
+        """About the payload of a full checkpoint: model and optimizer tensors, page-rounded."""
+        tensors = list(self.model.state_dict().values())
+        tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += list(self.residuals.values())
+        return sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors) + (1 << 20)
 
     def _unscale_for_amp(self) -> bool:
         """With GradScaler: unscale as GradScaler.unscale_ would, report whether the step is skipped."""
