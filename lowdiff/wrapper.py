@@ -98,6 +98,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._last_skipped = None
         self._boundary = self._capture_boundary()
         self._staging_prepared = False
+        self._busy = 0
         _live.add(self)
         _install_exit_hooks()
 
@@ -135,6 +136,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ the step
     def step(self, closure=None):
         """compress -> inner step -> scheduler step -> record (see the module docstring)."""
+        with _Busy(self):
+            return self._step(closure)
+
+    def _step(self, closure):
         if self._closed:
             raise CheckpointError("step() on a closed lowdiff optimizer")
         if not self._base_taken:
@@ -273,16 +278,18 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         """Block until every recorded step (and any full checkpoint in progress) is durable."""
         if self._closed:
             return
-        self._diffs.flush()
-        self._fulls.wait()
+        with _Busy(self):
+            self._diffs.flush()
+            self._fulls.wait()
 
     def close(self) -> None:
         """Flush, stop the background threads, release the directory lock. Idempotent."""
         if self._closed:
             return
         try:
-            self._diffs.close()
-            self._fulls.wait()
+            with _Busy(self):
+                self._diffs.close()
+                self._fulls.wait()
         finally:
             self._closed = True
             self.store.close()
@@ -335,10 +342,42 @@ def _flush_all() -> None:
             log.error("lowdiff: flushing %s at exit failed: %s", opt.directory, exc)
 
 
-def _on_sigterm(signum, frame):
+_terminate_requested = False
+
+
+class _Busy:
+    """Marks the main thread as inside lowdiff (holding its locks): a SIGTERM arriving then is
+    handled when the call returns, because flushing from inside could deadlock on those locks."""
+
+    __slots__ = ("opt",)
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def __enter__(self):
+        self.opt._busy += 1
+
+    def __exit__(self, *exc):
+        self.opt._busy -= 1
+        if _terminate_requested and not any(o._busy for o in list(_live)):
+            _terminate()
+        return False
+
+
+def _terminate() -> None:
+    global _terminate_requested
+    _terminate_requested = False
     _flush_all()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame):
+    global _terminate_requested
+    if any(o._busy for o in list(_live)):
+        _terminate_requested = True  # finish when the current lowdiff call returns
+        return
+    _terminate()
 
 
 def _install_exit_hooks() -> None:
