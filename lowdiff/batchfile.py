@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import fastio
 
@@ -87,7 +86,3 @@ class BatchReader:
     def __exit__(self, *exc):
         self.close()
         return False
-
-
-def batch_size_bytes(path: str) -> int:
-    return os.path.getsize(path)

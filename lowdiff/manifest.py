@@ -12,7 +12,6 @@ import os
 import re
 import zlib
 
-from . import container
 from .errors import CorruptCheckpointError, VersionMismatchError
 
 MANIFEST_NAME = "MANIFEST.json"
@@ -168,5 +167,3 @@ def load_manifest(directory: str, warn=None) -> Manifest:
             warn(f"{os.path.join(directory, MANIFEST_NAME)} is missing; rebuilt it from the files")
     return manifest
 
-
-__all__ = ["BatchEntry", "FullEntry", "Manifest", "container"]

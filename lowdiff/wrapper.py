@@ -8,13 +8,9 @@ loses or corrupts what was already durable.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import signal
-import threading
 import time
-import weakref
 
 import torch
 
@@ -25,11 +21,11 @@ from .config import WrapConfig
 from .controller import Controller
 from .ddp import AggregatedRecorder, CompressedAllReduce, distributed_rank, is_ddp
 from .errors import CheckpointError
+from .lifecycle import Busy, install_exit_hooks, live
 from .records import StepRecord
 from .store import CheckpointStore
 
 log = logging.getLogger("lowdiff")
-_live = weakref.WeakSet()
 
 
 class LowDiffOptimizer(torch.optim.Optimizer):
@@ -99,8 +95,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._boundary = self._capture_boundary()
         self._staging_prepared = False
         self._busy = 0
-        _live.add(self)
-        _install_exit_hooks()
+        live.add(self)
+        install_exit_hooks()
 
     # ------------------------------------------------------------ optimizer surface
     @property
@@ -136,7 +132,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ the step
     def step(self, closure=None):
         """compress -> inner step -> scheduler step -> record (see the module docstring)."""
-        with _Busy(self):
+        with Busy(self):
             return self._step(closure)
 
     def _step(self, closure):
@@ -278,7 +274,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         """Block until every recorded step (and any full checkpoint in progress) is durable."""
         if self._closed:
             return
-        with _Busy(self):
+        with Busy(self):
             self._diffs.flush()
             self._fulls.wait()
 
@@ -287,13 +283,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         try:
-            with _Busy(self):
+            with Busy(self):
                 self._diffs.close()
                 self._fulls.wait()
         finally:
             self._closed = True
             self.store.close()
-            _live.discard(self)
+            live.discard(self)
 
     def __enter__(self):
         return self
@@ -328,65 +324,3 @@ def wrap(optimizer, model, directory, *, compressor=None, full_every=100, batch_
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
                             keep_full=keep_full, **options)
-
-
-# ---------------------------------------------------------------- process exit
-_hooks_installed = False
-
-
-def _flush_all() -> None:
-    for opt in list(_live):
-        try:
-            opt.close()
-        except Exception as exc:  # at exit there is nobody left to raise to
-            log.error("lowdiff: flushing %s at exit failed: %s", opt.directory, exc)
-
-
-_terminate_requested = False
-
-
-class _Busy:
-    """Marks the main thread as inside lowdiff (holding its locks): a SIGTERM arriving then is
-    handled when the call returns, because flushing from inside could deadlock on those locks."""
-
-    __slots__ = ("opt",)
-
-    def __init__(self, opt):
-        self.opt = opt
-
-    def __enter__(self):
-        self.opt._busy += 1
-
-    def __exit__(self, *exc):
-        self.opt._busy -= 1
-        if _terminate_requested and not any(o._busy for o in list(_live)):
-            _terminate()
-        return False
-
-
-def _terminate() -> None:
-    global _terminate_requested
-    _terminate_requested = False
-    _flush_all()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _on_sigterm(signum, frame):
-    global _terminate_requested
-    if any(o._busy for o in list(_live)):
-        _terminate_requested = True  # finish when the current lowdiff call returns
-        return
-    _terminate()
-
-
-def _install_exit_hooks() -> None:
-    """Flush at interpreter exit and on SIGTERM (if nobody else handles SIGTERM)."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(_flush_all)
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _on_sigterm)
