@@ -15,6 +15,8 @@ class Compressed:
     numel: int
     values: torch.Tensor | None    # dense: the whole flat gradient; sparse: the kept values
     indices: torch.Tensor | None = None  # sparse only: int32, sorted ascending, unique
+    # The same indices as int64 when the compressor has them (saves a conversion when scattering).
+    scatter_index: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,6 @@ def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
         flat.zero_()
         # Indices are unique and sorted: a plain scatter, deterministic, no atomics. Records read
         # from disk live on the CPU; a CUDA gradient needs them on its device.
-        flat.index_copy_(0, record.indices.to(device=flat.device, dtype=torch.int64),
-                         record.values.to(flat.device))
+        index = record.scatter_index if record.scatter_index is not None else record.indices
+        flat.index_copy_(0, index.to(device=flat.device, dtype=torch.int64), record.values.to(flat.device))
     return out

@@ -58,7 +58,7 @@ class Snapshot:
         self.step = -1
         self.entries: list[TensorEntry] = []
         self.payload_bytes = 0
-        self.objects = b""
+        self._skeleton = None
         self.meta: dict = {}
 
     def take(self, step: int, state: dict, meta: dict) -> None:
@@ -77,7 +77,9 @@ class Snapshot:
             if entry.nbytes:
                 _staging_view(staging, entry).copy_(tensor.detach())
         self.step, self.entries, self.payload_bytes = step, entries, payload_bytes
-        self.objects = tree.dumps(skeleton)
+        # Encoded by persist(), off the training thread: split_tensors built every container of
+        # the skeleton afresh and its leaves are immutable values, so later training cannot change it.
+        self._skeleton = skeleton
         self.meta = meta
 
     def prepare(self, payload_bytes: int) -> None:
@@ -89,20 +91,20 @@ class Snapshot:
     def persist(self, path: str, session: str, *, engine=None) -> int:
         """Write the snapshot to ``path`` and commit it. Returns the file size in bytes."""
         payload = self._buffer.view(0, self.payload_bytes) if self.payload_bytes else memoryview(b"")
+        objects = tree.dumps(self._skeleton)
         tensors = [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": PAYLOAD_OFFSET + e.offset,
                     "nbytes": e.nbytes, "crc32": zlib.crc32(payload[e.offset:e.offset + e.nbytes])}
                    for e in self.entries]
-        file_bytes = PAYLOAD_OFFSET + self.payload_bytes + len(self.objects) + 8192
+        file_bytes = PAYLOAD_OFFSET + self.payload_bytes + len(objects) + 8192
         with fastio.Writer(path, size_hint=file_bytes, engine=engine) as writer:
             writer.write(container.preamble_bytes(container.KIND_FULL))
             writer.pad_to(PAGE)
             writer.write(payload)
-            objects_offset = writer.write(self.objects)
+            objects_offset = writer.write(objects)
             index = container.encode_index({
                 "version": container.FORMAT_VERSION, "kind": "full", "step": self.step, "session": session,
                 "tensors": tensors, "payload_bytes": self.payload_bytes,
-                "objects": {"offset": objects_offset, "nbytes": len(self.objects),
-                            "crc32": zlib.crc32(self.objects)},
+                "objects": {"offset": objects_offset, "nbytes": len(objects), "crc32": zlib.crc32(objects)},
                 **self.meta})
             index_offset = writer.write(index)
             writer.write(container.trailer_bytes(index_offset, index, container.KIND_FULL))
