@@ -5,11 +5,14 @@ configurations, all in one run, from the same initial weights and on the same sy
 and reports per configuration the median iteration time, the overhead against the matching
 baseline, the bytes written per step, and the ratio of a step's differential to a full checkpoint.
 
-Configurations (``--configs`` selects a subset; every one starts from a fresh model and optimizer):
+Configurations (``--configs`` selects a subset; each starts from a fresh model and optimizer):
 
   plain          no compression, no checkpoints (baseline for Dense, torch.save, DCP)
-  topk-base      TopK(0.01) applied to the gradients in place by this script, no checkpoints
+  topk-base      TopK(0.01) applied to every gradient in place by this script, no checkpoints
                  (baseline for lowdiff TopK)
+  topk-base-mn   the same, but gradients with < 4096 entries left dense, as lowdiff.TopK's
+                 default min_numel does (second baseline for lowdiff TopK; the target is judged
+                 against the faster of the two)
   lowdiff-topk   lowdiff.wrap(..., TopK(0.01), differential every step, one full checkpoint)
   lowdiff-dense  lowdiff.wrap(..., Dense(), differential every step, one full checkpoint)
   save-1         torch.save(model + optimizer state_dict) + fsync every step
@@ -19,14 +22,29 @@ Configurations (``--configs`` selects a subset; every one starts from a fresh mo
   lowdiff-full5  lowdiff TopK(0.01) with full_every=5: how long opt.step() blocks on a
                  full-checkpoint step, compared with one memcpy of the state
 
-The iteration time covers batch, forward, backward, compression (topk-base), opt.step(),
-checkpoint call (save-*, dcp-*) and zero_grad(). Work left at the end (lowdiff close(), the last
-DCP future) is timed separately as "finish". Configurations run one after another and the whole
-sequence is repeated ``--repeats`` times in rotated order, so slow drifts of a shared machine hit
-all of them; medians are over the pooled timed steps of all repeats.
+The iteration time covers forward, backward, compression (topk-base*), opt.step(), the checkpoint
+call (save-*, dcp-*) and zero_grad(). Work left at the end (lowdiff close(), the last DCP future)
+is timed separately as "finish". "cpu ms" is the process CPU time (all threads) per step.
 
-Bytes are measured from outside: the sizes of the files in the checkpoint directory before and
-after (for lowdiff: after warmup + flush() and after close(), divided by the timed steps).
+Scheduling (the machine is 2 shared cores; block-to-block drift of 20% was seen with nobody else
+running, more than the 2% this has to resolve):
+  interleaved  configurations whose checkpoint work is synchronous or small (plain, topk-base*,
+               lowdiff-topk, save-*) are alive together and advance one step each, round robin,
+               the order rotated every step, so drift hits them equally. lowdiff-topk's background
+               batch write (a few MB per 10 steps) may land in a neighbour's step; medians are
+               insensitive to that, and its total cost shows in "finish" and the block rows.
+  block        configurations with heavy background work (lowdiff-dense, dcp-async,
+               lowdiff-full5) run alone, one after another, with plain and topk-base again as
+               blocks for their baselines, so background work is charged to its own steps.
+               Before a block the script waits for other processes to go quiet, and repeats a
+               block they disturbed (keeping the quietest attempt).
+``--mode blocks`` runs everything as blocks (the default for gpt2-124m, where several models do
+not fit in memory together). The whole schedule is repeated ``--repeats`` times; medians are over
+the pooled timed steps.
+
+Bytes are measured from outside: the sizes of the files in the checkpoint directory (for
+lowdiff: from warmup + flush() to close(), sampled every step so retention cannot hide a file,
+divided by the timed steps).
 """
 from __future__ import annotations
 
@@ -42,7 +60,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -50,23 +67,29 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(REPO_ROOT))  # lowdiff from the checkout when it is not installed
 import gpt  # noqa: E402
+
 TOPK_RATIO = 0.01
+# lowdiff.TopK's default min_numel (a public constructor argument): smaller gradients are kept
+# dense. topk-base-mn compresses the same way.
+TOPK_MIN_NUMEL = 4096
 LR = 3e-4
 BATCH_STEPS = 10
 STALL_FULL_EVERY = 5
 MEMCPY_REPS = 5
 
-ALL_CONFIGS = ("plain", "topk-base", "lowdiff-topk", "lowdiff-dense", "save-1", "save-10",
-               "dcp-async", "lowdiff-full5")
+ALL_CONFIGS = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10",
+               "lowdiff-dense", "dcp-async", "lowdiff-full5")
 LOWDIFF_CONFIGS = ("lowdiff-topk", "lowdiff-dense", "lowdiff-full5")
+INTERLEAVABLE = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10")
 BASELINE_OF = {
-    "plain": None, "topk-base": None,
+    "plain": None, "topk-base": None, "topk-base-mn": None,
     "lowdiff-topk": "topk-base", "lowdiff-full5": "topk-base",
     "lowdiff-dense": "plain", "save-1": "plain", "save-10": "plain", "dcp-async": "plain",
 }
 LABEL = {
     "plain": "plain (no compression, no ckpt)",
     "topk-base": "TopK(0.01) compression, no ckpt",
+    "topk-base-mn": "  same, tensors <4096 left dense",
     "lowdiff-topk": "lowdiff TopK(0.01) diff/step",
     "lowdiff-dense": "lowdiff Dense() diff/step",
     "save-1": "torch.save+fsync every step",
@@ -160,19 +183,19 @@ def filesystem_type(path: Path) -> str:
     return fstype
 
 
-def topk_compress_(params: list[torch.nn.Parameter], ratio: float) -> None:
+def topk_compress_(params: list[torch.nn.Parameter], ratio: float, min_numel: int = 1) -> None:
     """Keep, per parameter, the k = max(1, int(ratio * numel)) gradient entries of largest
-    magnitude and zero the rest, in place. The baseline for lowdiff's TopK: the same compression
-    without recording anything."""
+    magnitude and zero the rest, in place; gradients with fewer than ``min_numel`` entries are left
+    dense. The baseline for lowdiff's TopK: the same compression without recording anything."""
     for p in params:
-        if p.grad is None:
+        if p.grad is None or p.grad.numel() < min_numel:
             continue
         flat = p.grad.view(-1)
         k = max(1, int(ratio * flat.numel()))
         idx = flat.abs().topk(k, sorted=False).indices
-        vals = flat[idx]
+        vals = flat.index_select(0, idx)
         flat.zero_()
-        flat[idx] = vals
+        flat.index_copy_(0, idx, vals)  # cheaper than flat[idx] = vals (index_put_)
 
 
 def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -220,6 +243,21 @@ def torch_save_fsync(model: torch.nn.Module, opt: torch.optim.Optimizer, path: P
     return path.stat().st_size
 
 
+def source_version() -> str:
+    """The checkout's commit, and whether lowdiff/fastio/recovery had uncommitted changes: lowdiff
+    is developed alongside, so a result must say which code it measured."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--",
+                                "lowdiff", "fastio", "recovery"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" + uncommitted changes in lowdiff/fastio/recovery" if dirty else "")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -250,141 +288,221 @@ def wait_dcp(handle) -> None:
     upload = getattr(handle, "upload_completion", handle)
     upload.result()
 
-
-# --------------------------------------------------------------------------- one run of one config
+# --------------------------------------------------------------------------- one configuration
 
 @dataclasses.dataclass
 class Run:
     """Timings and byte counts of one configuration in one repeat."""
 
     config: str
+    mode: str                    # "interleaved" | "block"
     repeat: int
-    step_ms: list[float]         # whole iteration, timed steps only
-    optstep_ms: list[float]      # opt.step() alone (plus in-script compression for topk-base)
-    first_timed_step: int        # global loop index of step_ms[0]
+    first_timed_step: int        # loop index of step_ms[0]
+    step_ms: list[float] = dataclasses.field(default_factory=list)     # whole iteration
+    optstep_ms: list[float] = dataclasses.field(default_factory=list)  # opt.step() (+ compression)
+    cpu_ms: list[float] = dataclasses.field(default_factory=list)      # process CPU, all threads
     finish_ms: float = 0.0       # close() / waiting for the last save, after the timed steps
     warm_flush_ms: float = 0.0   # lowdiff flush() after warmup (not in step_ms)
     bytes_per_step: float = 0.0
     timed_new_bytes: int = 0     # lowdiff: bytes that appeared in the directory after warmup
-    full_file_bytes: list[int] = dataclasses.field(default_factory=list)  # files named *full*
+    full_file_bytes: list[int] = dataclasses.field(default_factory=list)  # lowdiff files named *full*
     memcpy_ms: float = 0.0       # plain: one copy of the state
     state_bytes: int = 0
     foreign_cores: float = 0.0   # CPU used by other processes during the timed steps
 
-
-def run_config(name: str, repeat: int, args, cfg: gpt.GPTConfig, run_dir: Path, lowdiff) -> Run:
-    model = gpt.build_model(cfg, seed=0)
-    raw_opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    params = list(model.parameters())
-    opt = raw_opt
-    before_step: Callable[[], None] = lambda: None
-    after_step: Callable[[int], None] = lambda s: None
-    saved_bytes = [0]
-    dcp_state = {"handle": None, "timed_dirs": []}
-    total = args.warmup + args.steps
-
-    if name in LOWDIFF_CONFIGS:
-        compressor = lowdiff.Dense() if name == "lowdiff-dense" else lowdiff.TopK(ratio=TOPK_RATIO)
-        full_every = STALL_FULL_EVERY if name == "lowdiff-full5" else 10 * total + 1000
-        opt = lowdiff.wrap(raw_opt, model, str(run_dir), compressor=compressor,
-                           full_every=full_every, batch_steps=BATCH_STEPS)
-    elif name == "topk-base":
-        before_step = lambda: topk_compress_(params, TOPK_RATIO)
-    elif name in ("save-1", "save-10"):
-        every = 1 if name == "save-1" else 10
-        ckpt = run_dir / "ckpt.pt"
-
-        def after_step(s: int) -> None:
-            if (s + 1) % every == 0:
-                n = torch_save_fsync(model, raw_opt, ckpt)
-                if s >= args.warmup:
-                    saved_bytes[0] += n
-    elif name == "dcp-async":
-        import torch.distributed.checkpoint as dcp
-        app = DCPApp(model, raw_opt)
-
-        def after_step(s: int) -> None:
-            wait_dcp(dcp_state["handle"])  # one save in flight at a time
-            path = run_dir / f"step-{s:06d}"
-            if s >= args.warmup:
-                dcp_state["timed_dirs"].append(path)
-            dcp_state["handle"] = dcp.async_save({"app": app}, checkpoint_id=str(path))
-
-    try:
-        return _train(name, repeat, args, cfg, run_dir, model, raw_opt, opt, before_step, after_step,
-                      saved_bytes, dcp_state)
-    except BaseException:
-        if opt is not raw_opt:  # don't leave lowdiff's background work running; keep the first error
-            with contextlib.suppress(Exception):
-                opt.close()
-        raise
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.mode, self.config
 
 
-def _train(name, repeat, args, cfg, run_dir, model, raw_opt, opt, before_step, after_step,
-           saved_bytes, dcp_state) -> Run:
-    total = args.warmup + args.steps
-    run = Run(name, repeat, [], [], first_timed_step=args.warmup)
-    sizes_warm: dict[str, int] = {}
-    seen: dict[str, int] = {}  # largest size of every file seen after warmup, despite retention
-    gc.collect()
-    load = ForeignLoad()
-    for s in range(total):
-        if s == args.warmup and name in LOWDIFF_CONFIGS:
-            # Make the initial full checkpoint and the warmup differentials durable, so the
-            # byte count after this point is the timed steps' differentials only.
+class Trainer:
+    """One configuration's model, optimizer and checkpointing, advanced one step at a time."""
+
+    def __init__(self, name: str, mode: str, repeat: int, args, cfg: gpt.GPTConfig, run_dir: Path,
+                 lowdiff) -> None:
+        self.name, self.args, self.cfg, self.run_dir = name, args, cfg, run_dir
+        self.model = gpt.build_model(cfg, seed=0)
+        self.raw_opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.params = list(self.model.parameters())
+        self.opt = self.raw_opt
+        self.run = Run(name, mode, repeat, first_timed_step=args.warmup)
+        self.saved_bytes = 0
+        self.dcp_handle = None
+        self.dcp_timed_dirs: list[Path] = []
+        self.sizes_warm: dict[str, int] = {}
+        self.seen: dict[str, int] = {}  # largest size of each file seen after warmup
+        if name in LOWDIFF_CONFIGS:
+            compressor = lowdiff.Dense() if name == "lowdiff-dense" else lowdiff.TopK(ratio=TOPK_RATIO)
+            total = args.warmup + args.steps
+            full_every = STALL_FULL_EVERY if name == "lowdiff-full5" else 10 * total + 1000
+            self.opt = lowdiff.wrap(self.raw_opt, self.model, str(run_dir), compressor=compressor,
+                                    full_every=full_every, batch_steps=BATCH_STEPS)
+
+    def _before_step(self) -> None:
+        if self.name == "topk-base":
+            topk_compress_(self.params, TOPK_RATIO)
+        elif self.name == "topk-base-mn":
+            topk_compress_(self.params, TOPK_RATIO, min_numel=TOPK_MIN_NUMEL)
+
+    def _after_step(self, s: int) -> None:
+        timed = s >= self.args.warmup
+        if self.name in ("save-1", "save-10"):
+            if (s + 1) % (1 if self.name == "save-1" else 10) == 0:
+                n = torch_save_fsync(self.model, self.raw_opt, self.run_dir / "ckpt.pt")
+                self.saved_bytes += n if timed else 0
+        elif self.name == "dcp-async":
+            import torch.distributed.checkpoint as dcp
+            wait_dcp(self.dcp_handle)  # one save in flight at a time
+            path = self.run_dir / f"step-{s:06d}"
+            if timed:
+                self.dcp_timed_dirs.append(path)
+            self.dcp_handle = dcp.async_save({"app": DCPApp(self.model, self.raw_opt)},
+                                             checkpoint_id=str(path))
+
+    def _sample_dir(self) -> None:
+        for f, n in file_sizes(self.run_dir).items():
+            self.seen[f] = max(n, self.seen.get(f, 0))
+
+    def step(self, s: int) -> None:
+        lowdiff_cfg = self.name in LOWDIFF_CONFIGS
+        if s == self.args.warmup and lowdiff_cfg:
+            # Make the initial full checkpoint and the warmup differentials durable, so the bytes
+            # counted from here on are the timed steps' only.
             t0 = time.perf_counter()
-            opt.flush()
-            run.warm_flush_ms = (time.perf_counter() - t0) * 1e3
-            sizes_warm = file_sizes(run_dir)
-            seen = dict(sizes_warm)
-        if s == args.warmup:
-            load.start()
-        x, y = gpt.batch(cfg, s)
+            self.opt.flush()
+            self.run.warm_flush_ms = (time.perf_counter() - t0) * 1e3
+            self.sizes_warm = file_sizes(self.run_dir)
+            self.seen = dict(self.sizes_warm)
+        x, y = gpt.batch(self.cfg, s)
+        c0 = time.process_time()
         t0 = time.perf_counter()
-        loss = model(x, y)
+        loss = self.model(x, y)
         loss.backward()
         t1 = time.perf_counter()
-        before_step()
-        opt.step()
+        self._before_step()
+        self.opt.step()
         t2 = time.perf_counter()
-        after_step(s)
-        opt.zero_grad()
+        self._after_step(s)
+        self.opt.zero_grad()
         t3 = time.perf_counter()
-        if s >= args.warmup:
-            run.step_ms.append((t3 - t0) * 1e3)
-            run.optstep_ms.append((t2 - t1) * 1e3)
-            if name in LOWDIFF_CONFIGS:
-                # Outside the timed window. Retention may delete a file before close(), so look
-                # every step rather than only at the end.
-                for f, n in file_sizes(run_dir).items():
-                    seen[f] = max(n, seen.get(f, 0))
-    load.stop()
-    run.foreign_cores = load.cores
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"{name}: loss is {loss.item()} at the last step")
+        c3 = time.process_time()
+        if s >= self.args.warmup:
+            self.run.step_ms.append((t3 - t0) * 1e3)
+            self.run.optstep_ms.append((t2 - t1) * 1e3)
+            self.run.cpu_ms.append((c3 - c0) * 1e3)
+            if lowdiff_cfg:  # untimed; retention may delete a file before close(), so look often
+                self._sample_dir()
+        if s == self.args.warmup + self.args.steps - 1 and not torch.isfinite(loss):
+            raise RuntimeError(f"{self.name}: loss is {loss.item()} at the last step")
 
-    t0 = time.perf_counter()
-    if name in LOWDIFF_CONFIGS:
-        opt.close()
-    elif name == "dcp-async":
-        wait_dcp(dcp_state["handle"])
-    run.finish_ms = (time.perf_counter() - t0) * 1e3
+    def finish(self) -> Run:
+        run, args = self.run, self.args
+        t0 = time.perf_counter()
+        if self.name in LOWDIFF_CONFIGS:
+            self.opt.close()
+        elif self.name == "dcp-async":
+            wait_dcp(self.dcp_handle)
+        run.finish_ms = (time.perf_counter() - t0) * 1e3
+        if self.name in LOWDIFF_CONFIGS:
+            self._sample_dir()
+            run.timed_new_bytes = new_bytes(self.sizes_warm, self.seen)
+            run.bytes_per_step = run.timed_new_bytes / args.steps
+            # File names are lowdiff's business; use them only if they say "full".
+            run.full_file_bytes = [n for f, n in self.seen.items()
+                                   if f not in self.sizes_warm and "full" in Path(f).name.lower()]
+        elif self.name in ("save-1", "save-10"):
+            run.bytes_per_step = self.saved_bytes / args.steps
+        elif self.name == "dcp-async":
+            run.bytes_per_step = sum(sum(file_sizes(d).values()) for d in self.dcp_timed_dirs) / args.steps
+        elif self.name == "plain":
+            run.memcpy_ms, run.state_bytes = memcpy_state_ms(self.model, self.raw_opt)
+        return run
 
-    if name in LOWDIFF_CONFIGS:
-        for f, n in file_sizes(run_dir).items():
-            seen[f] = max(n, seen.get(f, 0))
-        run.timed_new_bytes = new_bytes(sizes_warm, seen)
-        run.bytes_per_step = run.timed_new_bytes / args.steps
-        # File names are lowdiff's business; use them only if they say "full".
-        run.full_file_bytes = [n for f, n in seen.items()
-                               if f not in sizes_warm and "full" in Path(f).name.lower()]
-    elif name in ("save-1", "save-10"):
-        run.bytes_per_step = saved_bytes[0] / args.steps
-    elif name == "dcp-async":
-        run.bytes_per_step = sum(sum(file_sizes(d).values()) for d in dcp_state["timed_dirs"]) / args.steps
-    elif name == "plain":
-        run.memcpy_ms, run.state_bytes = memcpy_state_ms(model, raw_opt)
-    return run
+    def abort(self) -> None:
+        """Stop lowdiff's background work after an error; the first error is the one reported."""
+        if self.opt is not self.raw_opt:
+            with contextlib.suppress(Exception):
+                self.opt.close()
+
+
+def fresh_dir(args, name: str, mode: str, rep: int) -> Path:
+    run_dir = args.dir / f"{name}-{mode}-r{rep}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def describe(run: Run, wall_s: float) -> str:
+    return (f"{run.config:<14} {run.mode:<11} median {med(run.step_ms):7.1f} ms/step (opt.step "
+            f"{med(run.optstep_ms):6.1f} ms, cpu {med(run.cpu_ms):6.1f} ms), finish {run.finish_ms:6.1f} ms, "
+            f"{fmt_bytes(run.bytes_per_step)}/step, other load {run.foreign_cores:.2f} cores, wall {wall_s:.1f} s")
+
+
+def run_interleaved(names: list[str], rep: int, args, cfg, lowdiff) -> list[Run]:
+    """All ``names`` alive together, one step each per round, the order rotated every round."""
+    if args.idle_threshold > 0:
+        wait_until_idle(args.idle_threshold, args.idle_wait)
+    t_start = time.perf_counter()
+    trainers = [Trainer(n, "interleaved", rep, args, cfg, fresh_dir(args, n, "interleaved", rep), lowdiff)
+                for n in names]
+    load = ForeignLoad()
+    try:
+        gc.collect()
+        for s in range(args.warmup + args.steps):
+            if s == args.warmup:
+                load.start()
+            k = s % len(trainers)
+            for t in trainers[k:] + trainers[:k]:
+                t.step(s)
+        load.stop()
+        runs = []
+        for t in trainers:
+            runs.append(t.finish())
+            runs[-1].foreign_cores = load.cores
+    except BaseException:
+        for t in trainers:
+            t.abort()
+        raise
+    finally:
+        for t in trainers:
+            shutil.rmtree(t.run_dir, ignore_errors=True)
+    for r in runs:
+        log(f"[{rep + 1}/{args.repeats}] " + describe(r, time.perf_counter() - t_start))
+    return runs
+
+
+def run_block(name: str, rep: int, args, cfg, lowdiff) -> Run:
+    """``name`` alone; repeated (keeping the quietest attempt) if other processes disturbed it."""
+    best: Run | None = None
+    for attempt in range(1 + args.retries):
+        if args.idle_threshold > 0:
+            wait_until_idle(args.idle_threshold, args.idle_wait)
+        t_start = time.perf_counter()
+        trainer = Trainer(name, "block", rep, args, cfg, fresh_dir(args, name, "block", rep), lowdiff)
+        load = ForeignLoad()
+        try:
+            gc.collect()
+            for s in range(args.warmup + args.steps):
+                if s == args.warmup:
+                    load.start()
+                trainer.step(s)
+            load.stop()
+            run = trainer.finish()
+        except BaseException:
+            trainer.abort()
+            raise
+        finally:
+            shutil.rmtree(trainer.run_dir, ignore_errors=True)
+        run.foreign_cores = load.cores
+        log(f"[{rep + 1}/{args.repeats}] " + describe(run, time.perf_counter() - t_start))
+        if best is None or run.foreign_cores < best.foreign_cores:
+            best = run
+        if args.idle_threshold <= 0 or run.foreign_cores <= 2 * args.idle_threshold:
+            break
+        if attempt < args.retries:
+            log(f"  other processes used {run.foreign_cores:.2f} cores during {name}; repeating it")
+    return best
 
 
 # --------------------------------------------------------------------------- report
@@ -397,7 +515,8 @@ def stall_estimate(runs: list[Run]) -> tuple[float, float, int]:
     """(full-step opt.step ms, normal opt.step ms, phase) from the lowdiff-full5 runs.
 
     Which loop index carries the full checkpoint is lowdiff's business, so find it: the phase
-    (global step mod full_every) whose median opt.step() is largest."""
+    (loop index mod full_every) whose median opt.step() is largest. With no stall at all this
+    still picks the noisiest phase, so a small positive stall is the floor of this method."""
     by_phase: dict[int, list[float]] = {p: [] for p in range(STALL_FULL_EVERY)}
     for r in runs:
         for i, ms in enumerate(r.optstep_ms):
@@ -407,25 +526,25 @@ def stall_estimate(runs: list[Run]) -> tuple[float, float, int]:
     return med(by_phase[phase]), med(normal), phase
 
 
-def lowdiff_full_bytes(by: dict[str, list[Run]], args) -> tuple[float, str]:
+def lowdiff_full_bytes(by: dict[tuple[str, str], list[Run]], args) -> tuple[float, str]:
     """Bytes of one lowdiff full checkpoint of the trained state (AdamW moments present), from
     the lowdiff-full5 runs, which take one every few steps after warmup.
 
     If lowdiff names its files "*full*", their median size. Otherwise the bytes that appeared
     after warmup, minus the TopK differentials (bytes/step of lowdiff-topk), per full checkpoint.
     Falls back to the raw tensor bytes of the state when lowdiff-full5 did not run."""
-    f5 = by.get("lowdiff-full5", [])
+    f5 = [r for (m, c), rs in by.items() if c == "lowdiff-full5" for r in rs]
     named = [n for r in f5 for n in r.full_file_bytes]
     if named:
-        return statistics.median(named), "median of files named *full* in lowdiff-full5"
-    topk = by.get("lowdiff-topk", [])
+        return statistics.median(named), "median size of files named *full* in lowdiff-full5"
+    topk = [r for (m, c), rs in by.items() if c == "lowdiff-topk" for r in rs]
     if f5 and topk:
         diff_per_step = med([r.bytes_per_step for r in topk])
         n_full = args.steps / STALL_FULL_EVERY
         est = med([(r.timed_new_bytes - args.steps * diff_per_step) / n_full for r in f5])
         if est > 0:
             return est, "lowdiff-full5 bytes minus differentials, per full checkpoint"
-    plain = by.get("plain", [])
+    plain = [r for (m, c), rs in by.items() if c == "plain" for r in rs]
     if plain and plain[0].state_bytes:
         return float(plain[0].state_bytes), "raw state tensor bytes: lowdiff-full5 not measured"
     return float("nan"), "not measured"
@@ -441,98 +560,133 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: dict[str, str]) -> None:
-    configs = [c for c in ALL_CONFIGS if any(r.config == c for r in runs)]
-    by = {c: [r for r in runs if r.config == c] for c in configs}
-    step_med = {c: med([ms for r in by[c] for ms in r.step_ms]) for c in configs}
+def pct(x: float, signed: bool = True) -> str:
+    return "-" if x != x else (f"{x:+.1f}%" if signed else f"{x:.2f}%")
 
-    def overhead(c: str, rs: list[Run] | None = None) -> float:
-        base = BASELINE_OF[c]
-        if base is None or base not in step_med:
-            return float("nan")
-        mine = med([ms for r in (rs or by[c]) for ms in r.step_ms])
-        return (mine / step_med[base] - 1.0) * 100.0
 
-    def per_repeat_overheads(c: str) -> list[float]:
-        base = BASELINE_OF[c]
-        if base is None or base not in by:
-            return []
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return med(xs), med(xs)
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: dict[str, str],
+           version: str) -> None:
+    keys = []
+    for mode in ("interleaved", "block"):
+        keys += [(mode, c) for c in ALL_CONFIGS if any(r.key == (mode, c) for r in runs)]
+    by = {k: [r for r in runs if r.key == k] for k in keys}
+    pooled = {k: [ms for r in by[k] for ms in r.step_ms] for k in keys}
+    pooled_cpu = {k: [ms for r in by[k] for ms in r.cpu_ms] for k in keys}
+    step_med = {k: med(pooled[k]) for k in keys}
+    cpu_med = {k: med(pooled_cpu[k]) for k in keys}
+
+    def base_key(k: tuple[str, str]) -> tuple[str, str] | None:
+        b = BASELINE_OF[k[1]]
+        return (k[0], b) if b is not None and (k[0], b) in by else None
+
+    def per_repeat_overheads(k, b, field: str = "step_ms") -> list[float]:
         out = []
-        for r in by[c]:
-            b = [x for x in by[base] if x.repeat == r.repeat]
-            if b:
-                out.append((med(r.step_ms) / med(b[0].step_ms) - 1.0) * 100.0)
+        for r in by[k]:
+            rb = [x for x in by[b] if x.repeat == r.repeat]
+            if rb:
+                out.append((med(getattr(r, field)) / med(getattr(rb[0], field)) - 1.0) * 100.0)
         return out
 
+    def overhead(k, b, field: str = "step_ms") -> float:
+        """Drift-robust ratio to the baseline. Interleaved: median over (repeat, step) of the
+        ratio of the two configs' same step, which ran within a second of each other. Blocks:
+        median over repeats of the ratio of the two blocks' medians in that repeat."""
+        if b is None:
+            return float("nan")
+        if k[0] == "interleaved":
+            ratios = []
+            for r in by[k]:
+                rb = [x for x in by[b] if x.repeat == r.repeat]
+                if rb:
+                    ratios += [x / y for x, y in zip(getattr(r, field), getattr(rb[0], field)) if y > 0]
+            return (med(ratios) - 1.0) * 100.0
+        return med(per_repeat_overheads(k, b, field))
+
     full_bytes, full_method = lowdiff_full_bytes(by, args)
-    plain_runs = by.get("plain", [])
+    plain_runs = [r for k in keys if k[1] == "plain" for r in by[k]]
     memcpy_ms = med([r.memcpy_ms for r in plain_runs])
     state_bytes = plain_runs[0].state_bytes if plain_runs else 0
 
     rows = []
-    for c in configs:
-        bps = med([r.bytes_per_step for r in by[c]])
+    for k in keys:
+        mode, c = k
+        b = base_key(k)
+        bps = med([r.bytes_per_step for r in by[k]])
         is_diff = c in ("lowdiff-topk", "lowdiff-dense")
-        ratio = bps / full_bytes * 100.0 if is_diff and full_bytes == full_bytes and full_bytes else float("nan")
-        spread = per_repeat_overheads(c)
+        spread = per_repeat_overheads(k, b) if b else []
+        p25, p75 = quartiles(pooled[k])
         rows.append({
-            "model": args.model, "config": c, "label": LABEL[c], "baseline": BASELINE_OF[c] or "",
-            "repeats": len(by[c]), "timed_steps": sum(len(r.step_ms) for r in by[c]),
-            "median_step_ms": step_med[c],
-            "p25_step_ms": statistics.quantiles([ms for r in by[c] for ms in r.step_ms], n=4)[0]
-            if sum(len(r.step_ms) for r in by[c]) > 1 else step_med[c],
-            "p75_step_ms": statistics.quantiles([ms for r in by[c] for ms in r.step_ms], n=4)[2]
-            if sum(len(r.step_ms) for r in by[c]) > 1 else step_med[c],
-            "median_optstep_ms": med([ms for r in by[c] for ms in r.optstep_ms]),
-            "overhead_pct": overhead(c),
+            "model": args.model, "mode": mode, "config": c, "label": LABEL[c],
+            "baseline": b[1] if b else "", "repeats": len(by[k]), "timed_steps": len(pooled[k]),
+            "median_step_ms": step_med[k], "p25_step_ms": p25, "p75_step_ms": p75,
+            "mean_step_ms": statistics.fmean(pooled[k]),
+            "median_optstep_ms": med([ms for r in by[k] for ms in r.optstep_ms]),
+            "median_cpu_ms": cpu_med[k],
+            "overhead_pct": overhead(k, b),
+            "cpu_overhead_pct": overhead(k, b, "cpu_ms"),
             "overhead_pct_min_repeat": min(spread) if spread else float("nan"),
             "overhead_pct_max_repeat": max(spread) if spread else float("nan"),
             "bytes_per_step": bps,
-            "diff_to_full_pct": ratio,
+            "diff_to_full_pct": bps / full_bytes * 100.0 if is_diff and full_bytes > 0 else float("nan"),
             "full_bytes": full_bytes if is_diff else float("nan"),
-            "finish_ms": med([r.finish_ms for r in by[c]]),
-            "warm_flush_ms": med([r.warm_flush_ms for r in by[c]]),
-            "foreign_cores": med([r.foreign_cores for r in by[c]]),
+            "finish_ms": med([r.finish_ms for r in by[k]]),
+            "warm_flush_ms": med([r.warm_flush_ms for r in by[k]]),
+            "foreign_cores": med([r.foreign_cores for r in by[k]]),
         })
 
     print(f"\nbench_overhead: model={args.model} ({n_params / 1e6:.1f}M params, batch {cfg.batch_size}x"
           f"{cfg.seq_len}), AdamW lr={LR}, threads={args.threads}, {args.steps} timed steps "
-          f"+ {args.warmup} warmup, x{args.repeats} repeats, dir={args.dir} ({filesystem_type(args.dir)})")
+          f"+ {args.warmup} warmup, x{args.repeats} repeats, mode={args.mode}, "
+          f"dir={args.dir} ({filesystem_type(args.dir)}), code {version}")
     print(f"state (params+buffers+AdamW moments) = {fmt_bytes(state_bytes)}; "
           f"lowdiff full checkpoint = {fmt_bytes(full_bytes)} ({full_method})")
-    header = (f"{'configuration':<34} {'median ms':>9} {'p25-p75 ms':>13} {'overhead':>9} {'vs':<9} "
-              f"{'repeat range':>15} {'bytes/step':>11} {'step/full':>9} {'finish ms':>9} {'other load':>10}")
+    header = (f"{'configuration':<34} {'median ms':>9} {'p25-p75 ms':>13} {'overhead':>8} {'vs':<12} "
+              f"{'per repeat':>14} {'cpu ms':>7} {'cpu ovh':>8} {'bytes/step':>10} {'step/full':>9} "
+              f"{'finish ms':>9} {'other':>5}")
     print(header)
     print("-" * len(header))
-    def pct(x: float, signed: bool = True) -> str:
-        return "-" if x != x else (f"{x:+.1f}%" if signed else f"{x:.2f}%")
-
+    current_mode = None
     for row in rows:
+        if row["mode"] != current_mode:
+            current_mode = row["mode"]
+            print(f"[{current_mode}]")
         lo, hi = row["overhead_pct_min_repeat"], row["overhead_pct_max_repeat"]
         spread = "-" if lo != lo else f"{lo:+.1f}..{hi:+.1f}%"
         finish = f"{row['finish_ms']:.0f}" if row["finish_ms"] else "-"
-        quartiles = f"{row['p25_step_ms']:.1f}-{row['p75_step_ms']:.1f}"
-        print(f"{row['label']:<34} {row['median_step_ms']:>9.1f} {quartiles:>13} "
-              f"{pct(row['overhead_pct']):>9} {row['baseline'] or '-':<9} {spread:>15} "
-              f"{fmt_bytes(row['bytes_per_step']):>11} {pct(row['diff_to_full_pct'], False):>9} {finish:>9} "
-              f"{row['foreign_cores']:>10.2f}")
+        q = f"{row['p25_step_ms']:.1f}-{row['p75_step_ms']:.1f}"
+        print(f"{row['label']:<34} {row['median_step_ms']:>9.1f} {q:>13} {pct(row['overhead_pct']):>8} "
+              f"{row['baseline'] or '-':<12} {spread:>14} {row['median_cpu_ms']:>7.1f} "
+              f"{pct(row['cpu_overhead_pct']):>8} {fmt_bytes(row['bytes_per_step']):>10} "
+              f"{pct(row['diff_to_full_pct'], False):>9} {finish:>9} {row['foreign_cores']:>5.2f}")
     for c, why in skipped.items():
         print(f"{LABEL[c]:<34} skipped: {why}")
     busy = max(r["foreign_cores"] for r in rows)
+    print("columns: overhead = vs the baseline in the same mode (interleaved: median of same-step "
+          "ratios; block: median of per-repeat ratios); per repeat = ratio of medians, repeat by "
+          "repeat; cpu = process CPU per step (all threads), median; finish = close()/last save after "
+          "the loop; other = cores used by other processes (kernel writeback included)")
     if busy > 0.1:
         print(f"note: other processes used up to {busy:.2f} of {os.cpu_count()} cores during some "
-              f"configs (column 'other load', median over repeats): those timings are inflated")
+              f"configs: those timings are inflated")
 
     stall_row = None
-    if "lowdiff-full5" in by:
-        full_ms, normal_ms, phase = stall_estimate(by["lowdiff-full5"])
+    f5 = [r for k in keys if k[1] == "lowdiff-full5" for r in by[k]]
+    if f5:
+        full_ms, normal_ms, phase = stall_estimate(f5)
         stall_ms = full_ms - normal_ms
         print(f"\nfull-checkpoint stall (full_every={STALL_FULL_EVERY}): opt.step() median {full_ms:.1f} ms on "
               f"full steps (loop index % {STALL_FULL_EVERY} == {phase}) vs {normal_ms:.1f} ms otherwise "
               f"-> stall {stall_ms:.1f} ms; one memcpy of the state ({fmt_bytes(state_bytes)}) = "
               f"{memcpy_ms:.1f} ms")
-        stall_row = {"model": args.model, "config": "full-stall", "label": "full-checkpoint stall",
-                     "median_optstep_ms": full_ms, "median_step_ms": normal_ms,
+        stall_row = {"model": args.model, "mode": "block", "config": "full-stall",
+                     "label": "full-checkpoint stall", "median_optstep_ms": full_ms,
                      "stall_ms": stall_ms, "memcpy_ms": memcpy_ms, "state_bytes": state_bytes}
 
     print("\ntargets:")
@@ -540,16 +694,24 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
     def target(ok: bool | None, text: str) -> None:
         print(f"  [{'n/a ' if ok is None else ('PASS' if ok else 'MISS')}] {text}")
 
-    row = {r["config"]: r for r in rows}
-    if "lowdiff-topk" in row and row["lowdiff-topk"]["overhead_pct"] == row["lowdiff-topk"]["overhead_pct"]:
-        ov = row["lowdiff-topk"]["overhead_pct"]
-        target(ov <= TARGET_TOPK_OVERHEAD_PCT, f"lowdiff TopK(0.01), differential every step: {ov:+.1f}% "
-               f"over the TopK-compression baseline (target <= {TARGET_TOPK_OVERHEAD_PCT:.0f}%)")
+    # lowdiff TopK is judged where it was measured most fairly: interleaved if it ran so.
+    ld = next((k for k in (("interleaved", "lowdiff-topk"), ("block", "lowdiff-topk")) if k in by), None)
+    bases = [(ld[0], b) for b in ("topk-base", "topk-base-mn") if ld and (ld[0], b) in by]
+    if ld and bases:
+        ovs = {b: overhead(ld, b) for b in bases}
+        fastest = min(bases, key=lambda b: -ovs[b])  # the faster baseline gives the larger overhead
+        cpu_ov = overhead(ld, fastest, "cpu_ms")
+        detail = ", ".join(f"{ov:+.1f}% vs {b[1]}" for b, ov in ovs.items())
+        target(ovs[fastest] <= TARGET_TOPK_OVERHEAD_PCT,
+               f"lowdiff TopK(0.01), differential every step ({ld[0]}): {ovs[fastest]:+.1f}% over the "
+               f"faster TopK-compression baseline {fastest[1]} ({detail}; cpu {cpu_ov:+.1f}%) "
+               f"(target <= {TARGET_TOPK_OVERHEAD_PCT:.0f}%)")
     else:
         target(None, "lowdiff TopK(0.01) overhead: not measured")
-    if "lowdiff-topk" in row and row["lowdiff-topk"]["diff_to_full_pct"] == row["lowdiff-topk"]["diff_to_full_pct"]:
-        pct = row["lowdiff-topk"]["diff_to_full_pct"]
-        target(pct <= TARGET_DIFF_TO_FULL_PCT, f"TopK(0.01) differential = {pct:.2f}% of a full checkpoint "
+    diff_rows = [r for r in rows if r["config"] == "lowdiff-topk" and r["diff_to_full_pct"] == r["diff_to_full_pct"]]
+    if diff_rows:
+        p = max(r["diff_to_full_pct"] for r in diff_rows)
+        target(p <= TARGET_DIFF_TO_FULL_PCT, f"TopK(0.01) differential = {p:.2f}% of a full checkpoint "
                f"(target <= {TARGET_DIFF_TO_FULL_PCT:.0f}%)")
     else:
         target(None, "differential / full checkpoint bytes: not measured")
@@ -560,7 +722,7 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
         target(None, "full-checkpoint stall: not measured")
 
     args.csv.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(rows[0].keys()) + ["stall_ms", "memcpy_ms", "state_bytes"] if rows else []
+    fields = list(rows[0].keys()) + ["stall_ms", "memcpy_ms", "state_bytes"]
     with open(args.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
@@ -576,24 +738,28 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Training-step overhead of per-iteration checkpointing: lowdiff TopK/Dense "
-                    "differentials vs torch.save and DCP async_save, baselines in the same run.",
-    )
+                    "differentials vs torch.save and DCP async_save, baselines in the same run.")
     p.add_argument("--model", choices=sorted(gpt.PRESETS), default="quick", help="default: quick")
     p.add_argument("--steps", type=int, default=None, help="timed steps per config and repeat "
                    "(default: 30 for quick, 6 for gpt2-124m)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first; lowdiff's initial "
                    "full checkpoint happens here (default: 5 for quick, 2 for gpt2-124m)")
-    p.add_argument("--repeats", type=int, default=None, help="how many times the whole rotated "
-                   "sequence of configs runs (default: 3 for quick, 1 for gpt2-124m)")
+    p.add_argument("--repeats", type=int, default=None, help="how many times the whole schedule "
+                   "runs, rotated (default: 3 for quick, 1 for gpt2-124m)")
+    p.add_argument("--mode", choices=("mixed", "blocks"), default=None, help="mixed: plain, "
+                   "topk-base*, lowdiff-topk and save-* interleaved step by step, the rest in "
+                   "blocks; blocks: everything in blocks (default: mixed for quick, blocks for "
+                   "gpt2-124m)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads, "
                    "the same for every config (default: the CPU count)")
-    p.add_argument("--idle-threshold", type=float, default=0.15, help="before each config, wait "
-                   "until other processes use fewer cores than this (2 s samples), and repeat a "
-                   "config during which they used more than twice this; 0 disables (default: 0.15)")
+    p.add_argument("--idle-threshold", type=float, default=0.15, help="before each block or "
+                   "interleaved round, wait until other processes use fewer cores than this (2 s "
+                   "samples), and repeat a block during which they used more than twice this; 0 "
+                   "disables (default: 0.15)")
     p.add_argument("--idle-wait", type=float, default=300.0, help="longest wait for an idle "
-                   "machine before each config, seconds (default: 300)")
-    p.add_argument("--retries", type=int, default=2, help="extra attempts of a config disturbed "
-                   "by other processes; the quietest attempt is kept (default: 2)")
+                   "machine, seconds (default: 300)")
+    p.add_argument("--retries", type=int, default=2, help="extra attempts of a block disturbed by "
+                   "other processes; the quietest attempt is kept (default: 2)")
     p.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma-separated subset of "
                    + ", ".join(ALL_CONFIGS) + " (default: all)")
     p.add_argument("--dir", type=Path, default=REPO_ROOT / "runs" / "bench_overhead",
@@ -606,6 +772,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps if args.steps is not None else (6 if big else 30)
     args.warmup = args.warmup if args.warmup is not None else (2 if big else 5)
     args.repeats = args.repeats if args.repeats is not None else (1 if big else 3)
+    args.mode = args.mode or ("blocks" if big else "mixed")
     for field in ("steps", "warmup", "repeats", "threads"):
         if getattr(args, field) < 1:
             p.error(f"--{field} must be >= 1, got {getattr(args, field)}")
@@ -616,6 +783,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {list(ALL_CONFIGS)}")
     return args
+
+
+def schedule(configs: list[str], mode: str) -> tuple[list[str], list[str]]:
+    """(interleaved configs, block configs). Block configs bring their baselines as blocks."""
+    if mode == "blocks":
+        return [], list(configs)
+    inter = [c for c in configs if c in INTERLEAVABLE]
+    blocks = [c for c in configs if c not in INTERLEAVABLE]
+    needed = {BASELINE_OF[c] for c in blocks} - {None}
+    blocks = [c for c in ALL_CONFIGS if c in needed] + blocks
+    return inter, blocks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -633,14 +811,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(c in LOWDIFF_CONFIGS for c in args.configs):
         try:
             import lowdiff
-            for name in ("wrap", "TopK", "Dense"):
-                getattr(lowdiff, name)
+            for attr in ("wrap", "TopK", "Dense"):
+                getattr(lowdiff, attr)
         except (ImportError, AttributeError) as e:
             lowdiff = None
             for c in LOWDIFF_CONFIGS:
                 if c in args.configs:
                     skipped[c] = f"lowdiff not usable: {type(e).__name__}: {e}"
     configs = [c for c in args.configs if c not in skipped]
+    inter, blocks = schedule(configs, args.mode)
+    version = source_version()
 
     pg_started = False
     if "dcp-async" in configs:
@@ -650,57 +830,48 @@ def main(argv: list[str] | None = None) -> int:
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
             pg_started = True
 
-    log(f"bench_overhead: {args.model} ({n_params / 1e6:.1f}M params), configs {configs}, "
-        f"{args.repeats} x ({args.warmup} warmup + {args.steps} timed) steps, dir {args.dir} ({fstype})")
+    log(f"bench_overhead: {args.model} ({n_params / 1e6:.1f}M params), interleaved {inter}, blocks "
+        f"{blocks}, {args.repeats} x ({args.warmup} warmup + {args.steps} timed) steps, dir {args.dir} "
+        f"({fstype}), lowdiff from {getattr(lowdiff, '__file__', None)}")
     runs: list[Run] = []
+
+    def lowdiff_failed(names: list[str], e: BaseException) -> None:
+        import traceback
+        log(f"lowdiff FAILED in {names}:\n{traceback.format_exc()}")
+        for n in names:
+            skipped[n] = f"{type(e).__name__}: {e}"
+
     try:
         for rep in range(args.repeats):
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-            for name in order:
-                best: Run | None = None
-                for attempt in range(1 + args.retries):
-                    if args.idle_threshold > 0:
-                        wait_until_idle(args.idle_threshold, args.idle_wait)
-                    run_dir = args.dir / f"{name}-r{rep}"
-                    if run_dir.exists():
-                        shutil.rmtree(run_dir)
-                    run_dir.mkdir(parents=True)
-                    t0 = time.perf_counter()
-                    try:
-                        run = run_config(name, rep, args, cfg, run_dir, lowdiff)
-                    except Exception as e:
-                        if name not in LOWDIFF_CONFIGS:
-                            raise
-                        # Report lowdiff failures and keep measuring the rest.
-                        import traceback
-                        log(f"[{rep + 1}/{args.repeats}] {name}: FAILED\n{traceback.format_exc()}")
-                        skipped[name] = f"{type(e).__name__}: {e}"
-                        configs = [c for c in configs if c != name]
-                        break
-                    finally:
-                        shutil.rmtree(run_dir, ignore_errors=True)
-                    log(f"[{rep + 1}/{args.repeats}] {name:<14} median {med(run.step_ms):8.1f} ms/step "
-                        f"(opt.step {med(run.optstep_ms):7.1f} ms), finish {run.finish_ms:7.1f} ms, "
-                        f"{fmt_bytes(run.bytes_per_step)}/step, other load {run.foreign_cores:.2f} cores, "
-                        f"wall {time.perf_counter() - t0:.1f} s")
-                    if best is None or run.foreign_cores < best.foreign_cores:
-                        best = run
-                    # A neighbour's job during the block inflates it: run it again, keep the quietest.
-                    if args.idle_threshold <= 0 or run.foreign_cores <= 2 * args.idle_threshold:
-                        break
-                    if attempt < args.retries:
-                        log(f"  other processes used {run.foreign_cores:.2f} cores during {name}; repeating it")
-                if best is not None and name in configs:
-                    runs.append(best)
+            if inter:
+                try:
+                    runs += run_interleaved(inter, rep, args, cfg, lowdiff)
+                except Exception as e:
+                    if "lowdiff-topk" not in inter:
+                        raise
+                    # Keep measuring the rest without lowdiff.
+                    lowdiff_failed(["lowdiff-topk"], e)
+                    inter = [c for c in inter if c != "lowdiff-topk"]
+                    runs += run_interleaved(inter, rep, args, cfg, lowdiff)
+            k = rep % len(blocks) if blocks else 0
+            for name in blocks[k:] + blocks[:k]:
+                if name in skipped:
+                    continue
+                try:
+                    runs.append(run_block(name, rep, args, cfg, lowdiff))
+                except Exception as e:
+                    if name not in LOWDIFF_CONFIGS:
+                        raise
+                    lowdiff_failed([name], e)
     finally:
         if pg_started:
             import torch.distributed as dist
             dist.destroy_process_group()
-
+    runs = [r for r in runs if r.config not in skipped]
     if not runs:
         log("nothing measured")
         return 1
-    report(runs, args, cfg, n_params, skipped)
+    report(runs, args, cfg, n_params, skipped, version)
     return 0
 
 

@@ -52,6 +52,9 @@ _RESERVED = ("t", "d", "x", "b")   # one-key JSON objects with these keys are ta
 _HEAD = struct.Struct("<I")
 
 
+_SCALARS = (int, float, str, bool, type(None))
+
+
 class _Unsupported(Exception):
     pass
 
@@ -62,10 +65,10 @@ def _encode(node, tensors: list):
     if isinstance(node, torch.Tensor):
         tensors.append(node.detach().cpu().contiguous())
         return {"x": len(tensors) - 1}
-    if isinstance(node, list):
-        return [_encode(v, tensors) for v in node]
-    if isinstance(node, tuple):
-        return {"t": [_encode(v, tensors) for v in node]}
+    if isinstance(node, (list, tuple)):
+        # Fast path for long flat sequences such as python's RNG state (625 ints).
+        items = list(node) if all(type(v) in _SCALARS for v in node) else [_encode(v, tensors) for v in node]
+        return items if isinstance(node, list) else {"t": items}
     if isinstance(node, dict):
         if all(type(k) is str for k in node) and not (len(node) == 1 and next(iter(node)) in _RESERVED):
             return {k: _encode(v, tensors) for k, v in node.items()}
