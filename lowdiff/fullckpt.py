@@ -73,9 +73,15 @@ class Snapshot:
             else:
                 self._buffer = fastio.aligned_buffer(payload_bytes, populate=True)
         staging = self._buffer.tensor(payload_bytes)
-        for entry, (_, tensor) in zip(entries, tensors):
-            if entry.nbytes:
-                _staging_view(staging, entry).copy_(tensor.detach())
+        pairs = [(_staging_view(staging, entry), tensor.detach())
+                 for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
+        if pairs and all(src.device.type == "cpu" for _, src in pairs):
+            # One call for all tensors: the GIL is released once, not once per tensor, so Python
+            # threads in the background cannot stretch the copy with hundreds of GIL hand-offs.
+            torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
+        else:
+            for dst, src in pairs:  # device tensors: copied to host staging one by one
+                dst.copy_(src)
         self.step, self.entries, self.payload_bytes = step, entries, payload_bytes
         # Encoded by persist(), off the training thread: split_tensors built every container of
         # the skeleton afresh and its leaves are immutable values, so later training cannot change it.
