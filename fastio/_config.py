@@ -26,8 +26,8 @@ class FastioConfig:
     chunk_bytes: int = 4 << 20
     queue_depth: int = 32
     threads: int = 4
-    staging_slots: int = 4
-    staging_slot_bytes: int = 8 << 20
+    staging_slots: int = 8
+    staging_slot_bytes: int = 16 << 20
 
     def __post_init__(self):
         if self.backend not in BACKEND_CHOICES:

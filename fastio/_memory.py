@@ -98,7 +98,7 @@ class StagingPool:
     """A process-wide free list of pre-faulted staging buffers, so that each new Writer copies into
     memory whose pages already exist instead of paying page faults on every checkpoint."""
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 512 << 20):
         self.max_bytes = max_bytes
         self._free: list[AlignedBuffer] = []
         self._lock = threading.Lock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -54,33 +55,62 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
 
 
+def _delta_bytes(sparse: list) -> bytes:
+    """u32 deltas of every sparse gradient's indices, each restarting from 0, in one vectorized pass."""
+    if not sparse:
+        return b""
+    flat = torch.cat([g.indices.reshape(-1).cpu() for g in sparse]).numpy().astype(np.int64)
+    deltas = np.diff(flat, prepend=0)
+    starts = np.cumsum([0] + [g.values.numel() for g in sparse[:-1]])
+    starts = starts[starts < flat.size]
+    deltas[starts] = flat[starts]  # each tensor's first delta is its first index
+    return deltas.astype(np.uint32).tobytes()
+
+
+def _values_bytes(present: list) -> list:
+    """The gradient values back to back, as few buffers as possible (one when dtypes agree)."""
+    values = [g.values.detach().reshape(-1).cpu() for g in present]
+    if values and all(v.dtype == values[0].dtype for v in values):
+        values = [torch.cat(values)] if len(values) > 1 else values
+    return [_raw_bytes(v) for v in values if v.numel()]
+
+
 def encode_record(record: StepRecord, compressor=None) -> list:
-    """The record as a list of buffers to append to a batch file (header first)."""
+    """The record as a list of buffers to append to a batch file (header first).
+
+    Per-tensor work is batched (one concatenation of indices and of values) because this runs in
+    a background thread whose Python time competes with the training thread for the GIL.
+    """
     grads_meta = []
-    deltas = []
-    raw = []
+    present = [g for g in record.grads if g.kind != "none"]
     for grad in record.grads:
         if grad.kind == "none":
             grads_meta.append(["none", grad.numel, 0, ""])
-            continue
-        values = grad.values.detach().cpu()
-        nnz = values.numel() if grad.kind == "sparse" else 0
-        grads_meta.append([grad.kind, grad.numel, nnz, dtype_name(values.dtype)])
-        if grad.kind == "sparse":
-            indices = grad.indices.cpu().numpy().astype(np.int64, copy=False)
-            deltas.append(np.diff(indices, prepend=0).astype(np.uint32).tobytes())
-        raw.append(_raw_bytes(values))
+        else:
+            nnz = grad.values.numel() if grad.kind == "sparse" else 0
+            grads_meta.append([grad.kind, grad.numel, nnz, dtype_name(grad.values.dtype)])
+    deltas = _delta_bytes([g for g in present if g.kind == "sparse"])
+    raw = _values_bytes(present)
     objects = tree.dumps(record.objects)
     meta = json.dumps({"step": record.step, "skipped": record.skipped, "objects_bytes": len(objects),
                        "grads": grads_meta}, separators=(",", ":")).encode()
-    packed = (compressor or zstandard.ZstdCompressor(level=ZSTD_LEVEL)).compress(
-        b"".join([_LEN.pack(len(meta)), meta, objects, *deltas]))
+    packed = (compressor or _compressor()).compress(b"".join([_LEN.pack(len(meta)), meta, objects, deltas]))
     raw_bytes = sum(view.nbytes for view in raw)
     crc = zlib.crc32(packed)
     for view in raw:
         crc = zlib.crc32(view, crc)
     header = RECORD_HEADER.pack(RECORD_MAGIC, container.FORMAT_VERSION, 0, record.step, len(packed), raw_bytes, crc)
     return [header, packed, *raw]
+
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """One zstd context per thread (a ZstdCompressor must not be shared between threads)."""
+    if not hasattr(_local, "zstd"):
+        _local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return _local.zstd
 
 
 def decode_record(data, path: str, offset: int, expected_step: int | None = None) -> StepRecord:
