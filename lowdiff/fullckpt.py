@@ -59,6 +59,7 @@ class Snapshot:
         self.entries: list[TensorEntry] = []
         self.payload_bytes = 0
         self._skeleton = None
+        self._destinations = None  # (entries, staging views) of the last take
         self.meta: dict = {}
 
     def take(self, step: int, state: dict, meta: dict) -> None:
@@ -67,21 +68,26 @@ class Snapshot:
         entries, payload_bytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
             self._buffer = None
+            self._destinations = None
             spare, self.spare = self.spare, None
             if spare is not None and spare.capacity_bytes >= payload_bytes:
                 self._buffer = spare
             else:
                 self._buffer = fastio.aligned_buffer(payload_bytes, populate=True)
-        staging = self._buffer.tensor(payload_bytes)
-        pairs = [(_staging_view(staging, entry), tensor.detach())
-                 for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
-        if pairs and all(src.device.type == "cpu" for _, src in pairs):
-            # One call for all tensors: the GIL is released once, not once per tensor, so Python
-            # threads in the background cannot stretch the copy with hundreds of GIL hand-offs.
-            torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
-        else:
-            for dst, src in pairs:  # device tensors: copied to host staging one by one
-                dst.copy_(src)
+        if self._destinations is None or self._destinations[0] != entries:
+            # The layout rarely changes between checkpoints: keep the staging views.
+            staging = self._buffer.tensor(payload_bytes)
+            self._destinations = (entries, [_staging_view(staging, e) for e in entries if e.nbytes])
+        destinations = self._destinations[1]
+        sources = [tensor for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
+        with torch.no_grad():
+            if sources and all(src.device.type == "cpu" for src in sources):
+                # One call for all tensors: the GIL is released once, not once per tensor, so
+                # background Python threads cannot stretch the copy with hundreds of GIL hand-offs.
+                torch._foreach_copy_(destinations, sources)
+            else:
+                for dst, src in zip(destinations, sources):  # device tensors: one by one to the host
+                    dst.copy_(src)
         self.step, self.entries, self.payload_bytes = step, entries, payload_bytes
         # Encoded by persist(), off the training thread: split_tensors built every container of
         # the skeleton afresh and its leaves are immutable values, so later training cannot change it.
