@@ -242,7 +242,6 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._base_taken = True
 
     def _take_full(self, base: bool) -> None:
-        self._diffs.seal()  # the chain from the previous full checkpoint must reach this step
         self._last_full_step = self.step_count
         # GradScaler.update() runs after step(): store the pre-update state and what update() needs.
         scaler = None
@@ -263,6 +262,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 "optimizer_class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
                 "compressor": repr(self.compressor)}
         self._fulls.take(self.step_count, state, meta, base)
+        # Close the batch ending at this step, so the chain from the previous full checkpoint
+        # reaches it. Queued before any later record, but after the copy, so the batch write does
+        # not compete with the snapshot for the GIL.
+        self._diffs.seal()
 
     # ------------------------------------------------------------ durability
     @property
