@@ -56,9 +56,14 @@ def apply_hyperparameters(param_groups, values: list) -> None:
                 group[key] = value
 
 
+def state_dict_copy(obj) -> dict:
+    """A deep copy of ``obj.state_dict()`` (safe to serialize later, in another thread)."""
+    return copy.deepcopy(obj.state_dict())
+
+
 def state_dicts(objects: dict) -> dict:
-    """Deep copies of ``obj.state_dict()`` for each named object (safe to serialize later)."""
-    return {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
+    """``state_dict_copy`` of each named object."""
+    return {name: state_dict_copy(obj) for name, obj in objects.items()}
 
 
 def load_state_dicts(objects: dict, states: dict, where: str) -> None:
@@ -69,10 +74,15 @@ def load_state_dicts(objects: dict, states: dict, where: str) -> None:
         obj.load_state_dict(states[name])
 
 
-def module_buffers(model: torch.nn.Module) -> dict:
-    """Copies of the persistent buffers of ``model`` (BatchNorm statistics and the like)."""
-    persistent = set(model.state_dict(keep_vars=True).keys())
-    return {name: buf.detach().clone() for name, buf in model.named_buffers() if name in persistent}
+def persistent_buffer_names(model: torch.nn.Module) -> set:
+    """Names of the buffers that are part of ``model.state_dict()`` (computed once per model)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    return {name for name, _ in model.named_buffers() if name in persistent}
+
+
+def module_buffers(model: torch.nn.Module, names: set) -> dict:
+    """Copies of the buffers ``names`` of ``model`` (BatchNorm statistics and the like)."""
+    return {name: buf.detach().clone() for name, buf in model.named_buffers() if name in names}
 
 
 def restore_buffers(model: torch.nn.Module, buffers: dict) -> None:

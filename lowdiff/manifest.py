@@ -49,6 +49,8 @@ class BatchEntry:
 class Manifest:
     fulls: list = dataclasses.field(default_factory=list)     # FullEntry, in commit order
     batches: list = dataclasses.field(default_factory=list)   # BatchEntry, in commit order
+    # True when rebuilt by scanning files (the committed manifest was missing or damaged).
+    rebuilt: bool = dataclasses.field(default=False, compare=False)
 
     def to_json(self) -> bytes:
         body = {"version": MANIFEST_VERSION,
@@ -160,9 +162,9 @@ def load_manifest(directory: str, warn=None) -> Manifest:
     except CorruptCheckpointError as exc:
         if warn:
             warn(f"{exc}; rebuilding the list of checkpoints from the files in {directory}")
-        return scan_directory(directory)
+        return dataclasses.replace(scan_directory(directory), rebuilt=True)
     if manifest is None:
-        manifest = scan_directory(directory)
+        manifest = dataclasses.replace(scan_directory(directory), rebuilt=True)
         if (manifest.fulls or manifest.batches) and warn:
             warn(f"{os.path.join(directory, MANIFEST_NAME)} is missing; rebuilt it from the files")
     return manifest

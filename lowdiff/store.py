@@ -13,9 +13,9 @@ import os
 import secrets
 import threading
 
-from .errors import CheckpointLockedError, CorruptCheckpointError
+from .errors import CheckpointLockedError
 from .manifest import (DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest, diff_name,
-                       full_name, read_manifest, scan_directory, write_manifest)
+                       full_name, load_manifest, write_manifest)
 
 log = logging.getLogger("lowdiff")
 LOCK_NAME = "LOCK"
@@ -31,18 +31,10 @@ class CheckpointStore:
         self.session = secrets.token_hex(4)
         self._lock_fd = self._acquire_lock()
         self._mutex = threading.Lock()
-        try:
-            manifest, trusted = read_manifest(self.directory), True
-        except CorruptCheckpointError as exc:
-            log.warning("%s; rebuilding the list of checkpoints from the files", exc)
-            manifest, trusted = None, False
-        if manifest is None:
-            manifest = scan_directory(self.directory)
-            if manifest.fulls or manifest.batches:
-                log.warning("lowdiff: rebuilt %s from the checkpoint files in %s", MANIFEST_NAME, self.directory)
-                write_manifest(self.directory, manifest)
-        self.manifest = manifest
-        self._remove_strays(delete_unlisted=trusted)
+        self.manifest = load_manifest(self.directory, warn=log.warning)
+        if self.manifest.rebuilt and (self.manifest.fulls or self.manifest.batches):
+            write_manifest(self.directory, self.manifest)
+        self._remove_strays(delete_unlisted=not self.manifest.rebuilt)
 
     # ------------------------------------------------------------------ lock
     def _acquire_lock(self) -> int:

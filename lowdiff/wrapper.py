@@ -69,8 +69,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         live_state = self.model.state_dict(keep_vars=True)
         # Keys of the model's state that are optimizer parameters (tied weights appear under several).
         self._param_aliases = {k: slot_of[id(v)] for k, v in live_state.items() if id(v) in slot_of}
-        persistent = set(live_state)
-        self._buffer_names = {n for n, _ in self.model.named_buffers() if n in persistent}
+        self._buffer_names = capture.persistent_buffer_names(self.model)
         self.rank, self.world_size = distributed_rank()
         if self.world_size > 1:
             # Each rank records its own stream (its RNG, sampler and residuals differ); resume
@@ -211,15 +210,11 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return out
 
     def _boundary_objects(self, groups_used: list, skipped: bool) -> dict:
-        objects = {
-            "groups_used": groups_used,
-            "groups_after": capture.hyperparameters(self.optimizer.param_groups),
-            "rng": capture.capture_rng(),
-            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers() if n in self._buffer_names},
-            "extra": capture.state_dicts(self.extra_state),
-        }
+        objects = {"groups_used": groups_used,
+                   "groups_after": capture.hyperparameters(self.optimizer.param_groups),
+                   **self._capture_boundary()}
         if self.scheduler is not None:
-            objects["scheduler"] = capture.state_dicts({"s": self.scheduler})["s"]
+            objects["scheduler"] = capture.state_dict_copy(self.scheduler)
         if self.grad_scaler is not None:
             objects["grad_scaler"] = {"state": self.grad_scaler.state_dict(), "found_inf": skipped}
         return objects
@@ -230,7 +225,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         taken inside that step's step(), after its forward pass drew random numbers, advanced the
         sampler and updated BatchNorm statistics."""
         return {"rng": capture.capture_rng(), "extra": capture.state_dicts(self.extra_state),
-                "buffers": capture.module_buffers(self.model)}
+                "buffers": capture.module_buffers(self.model, self._buffer_names)}
 
     def _take_base(self) -> None:
         latest = self.store.latest_step()
