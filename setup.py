@@ -18,6 +18,12 @@ extensions = [
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),
+    Extension(
+        "fastio._memcpy",
+        sources=["fastio/_memcpy.pyx"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    ),
 ]
 
 setup(

@@ -165,7 +165,8 @@ class Writer:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            self.commit()
+            if self._state != "aborted":  # abort() inside the block is a decision, not an error
+                self.commit()
         else:
             self.abort()
         return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 
 from .batchfile import write_batch
 from .fullckpt import Snapshot
@@ -108,27 +109,85 @@ class DiffWriter:
             self._release(len(pending))
 
 
-class FullWriter:
-    """Persists one full checkpoint at a time from a reused staging snapshot."""
+class _Verdict:
+    """The training thread's judgement of a snapshot copied in the background: may it be committed?"""
 
-    def __init__(self, store, controller, engine=None):
+    def __init__(self):
+        self._decided = threading.Event()
+        self.ok = False
+
+    def decide(self, ok: bool) -> None:
+        self.ok = ok
+        self._decided.set()
+
+    def wait(self) -> bool:
+        self._decided.wait()
+        return self.ok
+
+
+class FullWriter:
+    """Persists one full checkpoint at a time from a reused staging snapshot.
+
+    With ``background_copy`` the training thread only stages the snapshot (tensor references and
+    version counters); the copy into staging runs on the persist thread while training goes on
+    with the next forward/backward pass. ``release()`` must be called on the training thread
+    before anything may modify the state (lowdiff calls it before each optimizer step, and in
+    flush/close): it waits for the copy, then commits the checkpoint only if no staged tensor was
+    modified in place meanwhile. A modified one means state changed outside ``step()``: that
+    checkpoint is discarded with a warning and later ones are copied on the training thread.
+    """
+
+    def __init__(self, store, controller, engine=None, background_copy: bool = True):
         self.store = store
         self.controller = controller
         self._engine = engine
+        self.background_copy = background_copy
         self._snapshot = Snapshot()
         self._thread: threading.Thread | None = None
         self._errors = _ErrorSlot()
+        self._copied: threading.Event | None = None   # set when a background copy has ended
+        self._verdict: _Verdict | None = None
+        self._stall_s = 0.0
 
     def take(self, step: int, state: dict, meta: dict, base: bool) -> None:
-        """Copy ``state`` into staging (blocking: the one memcpy) and persist it in the background.
-        Waits first for the previous persist (its staging memory is reused)."""
+        """Stage ``state`` and persist it in the background; the copy into staging happens here
+        (blocking) or, with ``background_copy``, on the persist thread. Waits first for the
+        previous persist (its staging memory is reused)."""
         self.wait()
         started = time.perf_counter()
-        self._snapshot.take(step, state, meta)
-        self.controller.full_taken(time.perf_counter() - started)
-        self._thread = threading.Thread(target=self._persist, args=(step, base),
+        self._snapshot.stage(step, state, meta)
+        background = self.background_copy and not base and self._snapshot.copyable_in_background()
+        if background:
+            self._copied, self._verdict = threading.Event(), _Verdict()
+        else:
+            self._snapshot.copy(on_training_thread=True)
+            self._snapshot.release_sources()
+        self._stall_s = time.perf_counter() - started
+        if not background:
+            self.controller.full_taken(self._stall_s)
+        self._thread = threading.Thread(target=self._persist, args=(step, base, self._copied, self._verdict),
                                         name="lowdiff-full-writer", daemon=True)
         self._thread.start()
+
+    def release(self) -> None:
+        """Training thread: wait for a background copy to end and judge it (see the class doc)."""
+        if self._verdict is None:
+            return
+        started = time.perf_counter()
+        self._copied.wait()
+        modified = self._snapshot.modified_since_stage()
+        self._snapshot.release_sources()
+        verdict, self._verdict, self._copied = self._verdict, None, None
+        verdict.decide(not modified)
+        self.controller.full_taken(self._stall_s + time.perf_counter() - started)
+        if modified:
+            self.background_copy = False
+            shown = ", ".join(modified[:3]) + (f" and {len(modified) - 3} more" if len(modified) > 3 else "")
+            warnings.warn(
+                f"lowdiff: {shown} changed in place after step {self._snapshot.step} outside optimizer.step(); "
+                f"the full checkpoint of step {self._snapshot.step} is discarded and later ones are copied "
+                f"before step() returns. Differential replay cannot reproduce changes made outside step() either: "
+                f"resumed state will not match this run exactly.", RuntimeWarning, stacklevel=4)
 
     def prepare(self, payload_bytes: int) -> None:
         """Pre-fault staging for the next full checkpoint in the background."""
@@ -141,11 +200,19 @@ class FullWriter:
         self._thread = threading.Thread(target=run, name="lowdiff-staging-prefault", daemon=True)
         self._thread.start()
 
-    def _persist(self, step: int, base: bool) -> None:
+    def _persist(self, step: int, base: bool, copied: threading.Event | None, verdict: _Verdict | None) -> None:
         try:
             started = time.perf_counter()
+            if copied is not None:
+                try:
+                    self._snapshot.copy(on_training_thread=False)
+                finally:
+                    copied.set()
             path = self.store.full_path(step)
-            nbytes = self._snapshot.persist(path, self.store.session, engine=self._engine)
+            nbytes = self._snapshot.persist(path, self.store.session, engine=self._engine,
+                                            before_commit=verdict.wait if verdict is not None else None)
+            if nbytes is None:
+                return  # discarded: the training thread saw the state change during the copy
             self.store.commit_full(step, path, nbytes, base=base)
             self.controller.full_persisted(time.perf_counter() - started)
         except BaseException as exc:
@@ -155,6 +222,8 @@ class FullWriter:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
+        """Training thread: release any background copy, then wait for the persist to end."""
+        self.release()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -43,6 +43,14 @@ def plan_layout(tensors: list) -> tuple[list[TensorEntry], int]:
     return entries, -(-offset // PAGE) * PAGE
 
 
+def _versions(tensors: list) -> list | None:
+    """Version counters of ``[(key, tensor)]``; None if one has none (an inference tensor)."""
+    try:
+        return [tensor._version for _, tensor in tensors]
+    except RuntimeError:
+        return None
+
+
 def _staging_view(staging: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     dtype = dtype_from_name(entry.dtype, "<staging>")
     return staging[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
@@ -50,7 +58,15 @@ def _staging_view(staging: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 
 class Snapshot:
     """A full checkpoint held in staging memory, ready to persist. Reuses its buffer across steps
-    when the layout fits (the caller waits for the previous persist before calling ``take``)."""
+    when the layout fits (the caller waits for the previous persist before staging the next).
+
+    Taking one has two halves. ``stage`` runs on the training thread at the iteration boundary:
+    it splits the state into a skeleton and tensor references and notes each tensor's version
+    counter (cheap, no tensor data is touched). ``copy`` moves the bytes into staging and may run
+    on another thread, overlapping the next forward/backward pass, as long as nothing modifies
+    the staged tensors in place before it ends: the training thread waits for it before the next
+    optimizer step, and ``modified_since_stage`` tells whether anything did anyway.
+    """
 
     def __init__(self):
         self._buffer: fastio.AlignedBuffer | None = None
@@ -59,12 +75,35 @@ class Snapshot:
         self.entries: list[TensorEntry] = []
         self.payload_bytes = 0
         self._skeleton = None
-        self._destinations = None  # (entries, staging views) of the last take
+        self._destinations = None  # (entries, staging views) of the last copy
+        self._staged = None        # (tensors, versions) between stage() and release_sources()
         self.meta: dict = {}
 
     def take(self, step: int, state: dict, meta: dict) -> None:
-        """Copy ``state`` (nested dicts/lists of tensors and plain values) into staging."""
+        """Stage and copy on the calling thread."""
+        self.stage(step, state, meta)
+        self.copy(on_training_thread=True)
+
+    def stage(self, step: int, state: dict, meta: dict) -> None:
+        """Record what to copy: ``state`` (nested dicts/lists of tensors and plain values).
+
+        The skeleton is final here: split_tensors builds every container afresh and its leaves
+        are immutable values, so later training cannot change it.
+        """
         skeleton, tensors = tree.split_tensors(state)
+        self.step, self._skeleton, self.meta = step, skeleton, meta
+        self._staged = (tensors, _versions(tensors))
+
+    def copyable_in_background(self) -> bool:
+        """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense
+        and contiguous (so a plain memcpy reads it), and has a version counter to check."""
+        tensors, versions = self._staged
+        return versions is not None and all(
+            t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() for _, t in tensors)
+
+    def copy(self, on_training_thread: bool) -> None:
+        """Copy the staged tensors into staging memory, each at its offset in the file."""
+        tensors, _ = self._staged
         entries, payload_bytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
             self._buffer = None
@@ -81,18 +120,32 @@ class Snapshot:
         destinations = self._destinations[1]
         sources = [tensor for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
         with torch.no_grad():
-            if sources and all(src.device.type == "cpu" for src in sources):
+            if not sources:
+                pass
+            elif not on_training_thread:
+                # Plain memcpy on this thread without the GIL: torch's copy would use the intra-op
+                # thread pool, which the training thread is using right now.
+                fastio.copy_regions([d.data_ptr() for d in destinations], [s.data_ptr() for s in sources],
+                                    [e.nbytes for e in entries if e.nbytes])
+            elif all(src.device.type == "cpu" for src in sources):
                 # One call for all tensors: the GIL is released once, not once per tensor, so
                 # background Python threads cannot stretch the copy with hundreds of GIL hand-offs.
                 torch._foreach_copy_(destinations, sources)
             else:
                 for dst, src in zip(destinations, sources):  # device tensors: one by one to the host
                     dst.copy_(src)
-        self.step, self.entries, self.payload_bytes = step, entries, payload_bytes
-        # Encoded by persist(), off the training thread: split_tensors built every container of
-        # the skeleton afresh and its leaves are immutable values, so later training cannot change it.
-        self._skeleton = skeleton
-        self.meta = meta
+        self.entries, self.payload_bytes = entries, payload_bytes
+
+    def modified_since_stage(self) -> list[str]:
+        """Keys of staged tensors modified in place since ``stage`` (by their version counters)."""
+        tensors, versions = self._staged
+        if versions is None:
+            return []
+        return [key for (key, tensor), version in zip(tensors, versions) if tensor._version != version]
+
+    def release_sources(self) -> None:
+        """Drop the references to the live tensors (after the copy was judged)."""
+        self._staged = None
 
     def prepare(self, payload_bytes: int) -> None:
         """Allocate and pre-fault staging for a state of about ``payload_bytes`` (call off the
@@ -100,8 +153,12 @@ class Snapshot:
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
             self.spare = fastio.aligned_buffer(payload_bytes, populate=True)
 
-    def persist(self, path: str, session: str, *, engine=None) -> int:
-        """Write the snapshot to ``path`` and commit it. Returns the file size in bytes."""
+    def persist(self, path: str, session: str, *, engine=None, before_commit=None) -> int | None:
+        """Write the snapshot to ``path`` and commit it. Returns the file size in bytes.
+
+        ``before_commit()`` is asked last, with everything written: if it returns False the file
+        is discarded (nothing appears at ``path``) and persist returns None.
+        """
         payload = self._buffer.view(0, self.payload_bytes) if self.payload_bytes else memoryview(b"")
         objects = tree.dumps(self._skeleton)
         tensors = [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": PAYLOAD_OFFSET + e.offset,
@@ -120,6 +177,9 @@ class Snapshot:
                 **self.meta})
             index_offset = writer.write(index)
             writer.write(container.trailer_bytes(index_offset, index, container.KIND_FULL))
+            if before_commit is not None and not before_commit():
+                writer.abort()
+                return None
             return writer.size
 
 

@@ -114,6 +114,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict):
+        self._fulls.release()
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -144,6 +145,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         skipped = self._unscale_for_amp()
+        # A full checkpoint copied in the background must be complete before state changes.
+        self._fulls.release()
         groups_used = capture.hyperparameters(self.optimizer.param_groups)
         grads = None if skipped else self._compress_gradients()
         started = time.perf_counter()
@@ -157,7 +160,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         record = StepRecord(self.step_count, skipped, grads or [], self._boundary_objects(groups_used, skipped))
         self._diffs.put(record)
         if self.step_count - self._last_full_step >= self.controller.full_every:
-            self._take_full(base=False)
+            self._take_full(base=False, boundary=record.objects)
         elif not self._staging_prepared:
             # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
             self._staging_prepared = True
@@ -236,30 +239,33 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._take_full(base=True)
         self._base_taken = True
 
-    def _take_full(self, base: bool) -> None:
+    def _take_full(self, base: bool, boundary: dict | None = None) -> None:
+        """Full checkpoint of the state at this iteration boundary. ``boundary`` holds the small
+        objects captured there (the step's record has them; the base uses ``self._boundary``),
+        including copies of the buffers, which the next forward pass changes in place while
+        the parameters and optimizer state are copied in the background."""
         self._last_full_step = self.step_count
-        # GradScaler.update() runs after step(): store the pre-update state and what update() needs.
-        scaler = None
-        if self.grad_scaler is not None:
-            scaler = {"state": self.grad_scaler.state_dict(), "found_inf": None if base else self._last_skipped}
-        boundary = self._boundary if base else None
-        self._boundary = None
+        if base:
+            boundary, self._boundary = self._boundary, None
+            boundary = {**boundary, "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+            if self.grad_scaler is not None:
+                # GradScaler.update() runs after step(): store the pre-update state and what update() needs.
+                boundary["grad_scaler"] = {"state": self.grad_scaler.state_dict(), "found_inf": None}
         state = {
-            "model": {**self.model.state_dict(), **(boundary["buffers"] if base else {})},
+            "model": {**self.model.state_dict(), **boundary["buffers"]},
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "extra": boundary["extra"] if base else {name: obj.state_dict() for name, obj in self.extra_state.items()},
-            "rng": boundary["rng"] if base else capture.capture_rng(),
+            "scheduler": boundary.get("scheduler"),
+            "extra": boundary["extra"],
+            "rng": boundary["rng"],
             "residuals": dict(self.residuals),
-            "grad_scaler": scaler,
+            "grad_scaler": boundary.get("grad_scaler"),
         }
         meta = {"param_names": self.param_names, "param_aliases": self._param_aliases,
                 "optimizer_class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
                 "compressor": repr(self.compressor)}
         self._fulls.take(self.step_count, state, meta, base)
         # Close the batch ending at this step, so the chain from the previous full checkpoint
-        # reaches it. Queued before any later record, but after the copy, so the batch write does
-        # not compete with the snapshot for the GIL.
+        # reaches it (queued before any later record).
         self._diffs.seal()
 
     # ------------------------------------------------------------ durability

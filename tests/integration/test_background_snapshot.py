@@ -1,0 +1,107 @@
+"""Full checkpoints copied in the background, while the next forward/backward pass runs.
+
+The training thread only stages references at the iteration boundary; the copy into staging runs
+on the persist thread. These tests check that what lands on disk is the boundary's state even
+though training goes on (BatchNorm statistics change in the next forward pass, gradients are
+rewritten), and that a change made in place outside step() is caught by the version counters:
+that checkpoint is discarded, never committed torn.
+"""
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+import fastio
+import recovery
+from lowdiff.demo import batch
+from lowdiff.fullckpt import load_full
+from lowdiff.manifest import read_manifest
+
+from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
+
+
+def full_checkpoints(directory) -> dict:
+    manifest = read_manifest(directory)
+    return {f.step: os.path.join(directory, f.file) for f in manifest.fulls}
+
+
+def forward_backward(model, sampler):
+    x, y = batch(sampler)
+    model.train()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monkeypatch):
+    # Hold the background copy until the next forward/backward pass has run, so the test sees
+    # what a slow copy of a large state would see.
+    forward_done = threading.Event()
+    real_copy = fastio.copy_regions
+
+    def late_copy(*args):
+        assert forward_done.wait(30)
+        return real_copy(*args)
+    monkeypatch.setattr(fastio, "copy_regions", late_copy)
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    # step() returned with the full checkpoint of step FULL_EVERY staged, not yet copied or judged
+    assert opt._fulls._verdict is not None
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forward_backward(model, sampler)   # BatchNorm running statistics change in place
+        forward_done.set()
+        opt.step()                         # waits for the copy before changing parameters
+        opt.flush()
+    _, state = load_full(full_checkpoints(directory)[FULL_EVERY])
+    assert state["model"].keys() == expected_model.keys()
+    for key, value in expected_model.items():
+        assert torch.equal(state["model"][key], value), key
+    assert any(not torch.equal(a, b) for a, b in zip(expected_model.values(), model.state_dict().values()))
+    stored = state["optimizer"]["state"]
+    for i, moment in enumerate(expected_moments):
+        assert torch.equal(stored[i]["exp_avg"], moment)
+    opt.close()
+
+
+def test_a_change_in_place_outside_step_discards_that_checkpoint(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)          # outside step(): the staged state is no longer the boundary's
+    forward_backward(model, sampler)
+    with pytest.warns(RuntimeWarning, match=r"0\.weight changed in place after step 6 outside optimizer\.step"):
+        opt.step()
+    train_steps(model, opt, sched, sampler, FULL_EVERY + 1, 2 * FULL_EVERY)
+    opt.flush()
+    fulls = full_checkpoints(directory)
+    assert FULL_EVERY not in fulls                  # discarded, not committed torn
+    assert not [n for n in os.listdir(directory) if ".tmp-" in n]
+    # later checkpoints are copied before step() returns, and hold the state of their step
+    assert not opt._fulls.background_copy
+    assert 2 * FULL_EVERY in fulls
+    _, state = load_full(fulls[2 * FULL_EVERY])
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
+    opt.close()
+
+
+def test_close_right_after_a_full_step_commits_it(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+    _, state = load_full(full_checkpoints(directory)[FULL_EVERY])
+    for key, value in expected.items():
+        assert torch.equal(state["model"][key], value), key
