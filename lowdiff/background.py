@@ -125,6 +125,50 @@ class _Verdict:
         return self.ok
 
 
+class _Worker:
+    """One long-lived daemon thread that runs jobs in submission order. Starting a thread per
+    checkpoint would cost the training thread a GIL hand-off while the new thread boots."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last_done: threading.Event | None = None
+
+    def submit(self, job) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        done = threading.Event()
+        self._last_done = done
+        self._jobs.put((job, done))
+
+    def _run(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()  # jobs keep their own errors (see _ErrorSlot)
+            finally:
+                done.set()
+
+    def busy(self) -> bool:
+        return self._last_done is not None and not self._last_done.is_set()
+
+    def wait(self) -> None:
+        """Until every submitted job has finished."""
+        if self._last_done is not None:
+            self._last_done.wait()
+
+    def close(self) -> None:
+        """Finish the submitted jobs and end the thread (a later submit starts a new one)."""
+        if self._thread is not None:
+            self._jobs.put((None, None))
+            self._thread.join()
+            self._thread = None
+
+
 class FullWriter:
     """Persists one full checkpoint at a time from a reused staging snapshot.
 
@@ -143,7 +187,7 @@ class FullWriter:
         self._engine = engine
         self.background_copy = background_copy
         self._snapshot = Snapshot()
-        self._thread: threading.Thread | None = None
+        self._worker = _Worker("lowdiff-full-writer")
         self._errors = _ErrorSlot()
         self._copied: threading.Event | None = None   # set when a background copy has ended
         self._verdict: _Verdict | None = None
@@ -165,9 +209,8 @@ class FullWriter:
         self._stall_s = time.perf_counter() - started
         if not background:
             self.controller.full_taken(self._stall_s)
-        self._thread = threading.Thread(target=self._persist, args=(step, base, self._copied, self._verdict),
-                                        name="lowdiff-full-writer", daemon=True)
-        self._thread.start()
+        copied, verdict = self._copied, self._verdict
+        self._worker.submit(lambda: self._persist(step, base, copied, verdict))
 
     def release(self) -> None:
         """Training thread: wait for a background copy to end and judge it (see the class doc)."""
@@ -197,8 +240,7 @@ class FullWriter:
             except BaseException as exc:
                 self._errors.error = exc
         self.wait()
-        self._thread = threading.Thread(target=run, name="lowdiff-staging-prefault", daemon=True)
-        self._thread.start()
+        self._worker.submit(run)
 
     def _persist(self, step: int, base: bool, copied: threading.Event | None, verdict: _Verdict | None) -> None:
         try:
@@ -219,12 +261,17 @@ class FullWriter:
             self._errors.error = exc
 
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._worker.busy()
 
     def wait(self) -> None:
         """Training thread: release any background copy, then wait for the persist to end."""
         self.release()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._worker.wait()
         self._errors.check()
+
+    def close(self) -> None:
+        """Training thread: ``wait``, then end the worker thread."""
+        try:
+            self.wait()
+        finally:
+            self._worker.close()

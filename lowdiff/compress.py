@@ -9,14 +9,18 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class Compressed:
-    """One parameter's gradient as recorded: dense values, or sorted unique int32 indices + values."""
+    """One parameter's gradient as recorded: dense values, or unique flat indices + values.
+
+    Records on disk always hold sparse indices sorted ascending (as int32, delta-encoded). A
+    compressor may hand over unsorted ones (``sorted=False``): the record encoder sorts them, with
+    their values, off the training thread.
+    """
 
     kind: str                      # "dense" | "sparse" | "none" (parameter had no gradient)
     numel: int
     values: torch.Tensor | None    # dense: the whole flat gradient; sparse: the kept values
-    indices: torch.Tensor | None = None  # sparse only: int32, sorted ascending, unique
-    # The same indices as int64 when the compressor has them (saves a conversion when scattering).
-    scatter_index: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    indices: torch.Tensor | None = None  # sparse only: int32 or int64, unique, values[i] belongs at indices[i]
+    sorted: bool = True            # sparse only: indices ascending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +70,15 @@ class TopK:
                 residuals.pop(residual_slot, None)
             return Compressed("dense", numel, flat.clone())
         k = max(1, int(numel * self.ratio))
-        _, picked = torch.topk(flat.abs(), k, sorted=False)
-        indices = torch.sort(picked.to(torch.int32)).values
-        values = flat.index_select(0, indices)
+        # Unsorted: the record encoder sorts (indices, values) in the background; the training
+        # thread pays only for the selection, as a compressor without checkpoints would.
+        picked = torch.topk(flat.abs(), k, sorted=False).indices
+        values = flat.index_select(0, picked)
         if self.error_feedback:
             residual = flat.clone() if flat.data_ptr() == grad.data_ptr() else flat
-            residual.index_fill_(0, indices.to(torch.int64), 0)  # index_fill_ takes int64 only
+            residual.index_fill_(0, picked, 0)
             residuals[residual_slot] = residual
-        return Compressed("sparse", numel, values, indices)
+        return Compressed("sparse", numel, values, picked, sorted=False)
 
 
 def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
@@ -83,8 +88,7 @@ def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
         flat.copy_(record.values)
     else:
         flat.zero_()
-        # Indices are unique and sorted: a plain scatter, deterministic, no atomics. Records read
-        # from disk live on the CPU; a CUDA gradient needs them on its device.
-        index = record.scatter_index if record.scatter_index is not None else record.indices
-        flat.index_copy_(0, index.to(device=flat.device, dtype=torch.int64), record.values.to(flat.device))
+        # Indices are unique: a plain scatter, deterministic, no atomics. Records read from disk
+        # live on the CPU; a CUDA gradient needs them on its device.
+        flat.index_copy_(0, record.indices.to(device=flat.device, dtype=torch.int64), record.values.to(flat.device))
     return out

@@ -44,9 +44,10 @@ class CompressedAllReduce:
         if part.kind == "dense":
             work = dist.all_reduce(flat, group=group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0].div_(world))
-        indices = [torch.empty_like(part.indices) for _ in range(world)]
+        sent = part.indices.to(torch.int32).contiguous()  # half the bytes of int64 on the wire
+        indices = [torch.empty_like(sent) for _ in range(world)]
         values = [torch.empty_like(part.values) for _ in range(world)]
-        dist.all_gather(indices, part.indices.contiguous(), group=group)
+        dist.all_gather(indices, sent, group=group)
         dist.all_gather(values, part.values.contiguous(), group=group)
         out = torch.zeros_like(flat)
         for rank_indices, rank_values in zip(indices, values):  # fixed rank order: deterministic

@@ -67,20 +67,41 @@ def _on_cpu(tensors: list) -> torch.Tensor:
     return joined.cpu()
 
 
-def _delta_bytes(sparse: list) -> tuple[bytes, list]:
-    """Every sparse gradient's index deltas, each tensor restarting from 0, and each tensor's
-    delta width in bytes: 2 when all its deltas fit in u16 (the common case at TopK ratios), else
-    4. Narrow deltas are half the bytes for zstd to read and compress better."""
-    if not sparse:
+def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
+    """Every sparse gradient's indices sorted ascending, back to back (int64), and its values in
+    the same order, one tensor per gradient. Gradients handed over unsorted are sorted all at
+    once: each tensor's indices are offset past the previous tensors', so one sort orders every
+    tensor and keeps them apart."""
+    indices = _on_cpu([g.indices for g in sparse]).to(torch.int64)
+    counts = [g.indices.numel() for g in sparse]
+    if all(g.sorted for g in sparse):
+        return indices.numpy(), [g.values for g in sparse]
+    values = [g.values for g in sparse]
+    if any(v.dtype != values[0].dtype for v in values):  # mixed dtypes: sort tensor by tensor
+        ordered = [torch.sort(i.to(torch.int64)) if not g.sorted else (i.to(torch.int64), None)
+                   for i, g in zip((g.indices.cpu() for g in sparse), sparse)]
+        return (torch.cat([o[0] for o in ordered]).numpy(),
+                [g.values if o[1] is None else g.values.cpu()[o[1]] for g, o in zip(sparse, ordered)])
+    starts = torch.tensor([0] + [g.numel for g in sparse[:-1]], dtype=torch.int64).cumsum(0)
+    offsets = torch.repeat_interleave(starts, torch.tensor(counts))
+    keys, order = torch.sort(indices + offsets)
+    ordered_values = _on_cpu(values)[order]
+    return (keys - offsets).numpy(), list(torch.split(ordered_values, counts))
+
+
+def _delta_bytes(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
+    """Index deltas of sorted indices ``flat`` (``counts[i]`` of them per tensor, each tensor
+    restarting from 0), and each tensor's delta width in bytes: 2 when all its deltas fit in u16
+    (the common case at TopK ratios), else 4. Narrow deltas are half the bytes for zstd to read and
+    compress better."""
+    if not counts:
         return b"", []
-    flat = _on_cpu([g.indices for g in sparse]).numpy().astype(np.int64)
     deltas = np.diff(flat, prepend=0)
-    counts = [g.values.numel() for g in sparse]
     starts = np.cumsum([0] + counts[:-1])
     present = starts < flat.size
     deltas[starts[present]] = flat[starts[present]]  # each tensor's first delta is its first index
-    widths = [2] * len(sparse)
-    if deltas.size and deltas.max() <= _U16_MAX:
+    widths = [2] * len(counts)
+    if not deltas.size or deltas.max() <= _U16_MAX:
         return deltas.astype(np.uint16).tobytes(), widths
     parts = []
     for i, (start, count) in enumerate(zip(starts.tolist(), counts)):
@@ -94,9 +115,9 @@ def _delta_bytes(sparse: list) -> tuple[bytes, list]:
 _U16_MAX = 0xFFFF
 
 
-def _values_bytes(present: list) -> list:
+def _values_bytes(values: list) -> list:
     """The gradient values back to back, as few buffers as possible (one when dtypes agree)."""
-    values = [g.values for g in present if g.values.numel()]
+    values = [v for v in values if v.numel()]
     if not values:
         return []
     if all(v.dtype == values[0].dtype for v in values):
@@ -112,8 +133,10 @@ def encode_record(record: StepRecord, compressor=None) -> list:
     """
     present = [g for g in record.grads if g.kind != "none"]
     sparse = [g for g in present if g.kind == "sparse"]
-    deltas, widths = _delta_bytes(sparse)
+    indices, sparse_values = _sorted_sparse(sparse) if sparse else (None, [])
+    deltas, widths = _delta_bytes(indices, [g.values.numel() for g in sparse])
     width_of = dict(zip(map(id, sparse), widths))
+    value_of = dict(zip(map(id, sparse), sparse_values))
     grads_meta = []
     for grad in record.grads:
         if grad.kind == "none":
@@ -123,7 +146,7 @@ def encode_record(record: StepRecord, compressor=None) -> list:
         else:
             grads_meta.append(["sparse", grad.numel, grad.values.numel(), dtype_name(grad.values.dtype),
                                width_of[id(grad)]])
-    raw = _values_bytes(present)
+    raw = _values_bytes([value_of[id(g)] if g.kind == "sparse" else g.values for g in present])
     objects = tree.dumps(record.objects)
     meta = json.dumps({"step": record.step, "skipped": record.skipped, "objects_bytes": len(objects),
                        "grads": grads_meta}, separators=(",", ":")).encode()

@@ -288,8 +288,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             return
         try:
             with Busy(self):
-                self._diffs.close()
-                self._fulls.wait()
+                try:
+                    self._diffs.close()
+                finally:
+                    self._fulls.close()
         finally:
             self._closed = True
             self.store.close()

@@ -52,6 +52,17 @@ grads = st.one_of(sparse_grads(), dense_grads(), st.just(Compressed("none", 0, N
 
 
 @st.composite
+def handed_over_unsorted(draw) -> tuple[Compressed, Compressed]:
+    """(what a compressor may hand over: int64 indices in any order, values permuted with them;
+    what must be recorded: the same gradient with int32 indices sorted ascending)."""
+    canonical = draw(sparse_grads())
+    order = torch.tensor(draw(st.permutations(range(canonical.indices.numel()))), dtype=torch.int64)
+    unsorted = Compressed("sparse", canonical.numel, canonical.values[order], canonical.indices.long()[order],
+                          sorted=False)
+    return unsorted, canonical
+
+
+@st.composite
 def step_records(draw) -> StepRecord:
     step = draw(st.integers(1, 2**40))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))  # deterministic per example
@@ -257,8 +268,16 @@ def gradients(draw, min_numel=1, max_numel=3000):
 
 
 @SETTINGS
+@given(st.lists(st.one_of(handed_over_unsorted(), grads.map(lambda g: (g, g))), min_size=1, max_size=6))
+def test_unsorted_indices_are_recorded_sorted_with_their_values(pairs):
+    handed, canonical = [p[0] for p in pairs], [p[1] for p in pairs]
+    decoded = decode_record(encoded(StepRecord(7, False, handed, {})), "<mem>", 0)
+    assert_same_record(decoded, StepRecord(7, False, canonical, {}))
+
+
+@SETTINGS
 @given(gradients(), st.floats(0.0001, 1.0), st.integers(1, 512))
-def test_topk_picks_the_largest_sorted_unique_int32(grad, ratio, min_numel):
+def test_topk_picks_the_largest_unique_and_records_them_sorted_int32(grad, ratio, min_numel):
     before = grad.clone()
     compressor = TopK(ratio=ratio, min_numel=min_numel)
     out = compressor.compress(grad, 0, {})
@@ -271,11 +290,16 @@ def test_topk_picks_the_largest_sorted_unique_int32(grad, ratio, min_numel):
         return
     assert out.kind == "sparse"
     k = max(1, int(ratio * flat.numel()))
-    assert out.indices.dtype == torch.int32 and out.indices.numel() == k
-    idx = out.indices.to(torch.int64)
-    assert bool((idx[1:] > idx[:-1]).all()), "indices must be sorted and unique"
+    assert out.indices.numel() == k and out.values.numel() == k
+    assert same_bits(out.values, flat[out.indices.long()]), "values[i] belongs at indices[i]"
+    # what is recorded: int32 indices, sorted and unique, the values permuted with them
+    recorded = decode_record(b"".join(bytes(memoryview(p).cast("B")) for p in
+                                      encode_record(StepRecord(1, False, [out], {}))), "<mem>", 0).grads[0]
+    assert recorded.indices.dtype == torch.int32 and recorded.sorted
+    idx = recorded.indices.to(torch.int64)
+    assert bool((idx[1:] > idx[:-1]).all()), "recorded indices must be sorted and unique"
     assert 0 <= int(idx[0]) and int(idx[-1]) < flat.numel()
-    assert same_bits(out.values, flat[idx])
+    assert same_bits(recorded.values, flat[idx])
     dropped = torch.ones(flat.numel(), dtype=torch.bool)
     dropped[idx] = False
     if dropped.any():
