@@ -19,8 +19,8 @@ extensions = [
         extra_link_args=link_args,
     ),
     Extension(
-        "fastio._memcpy",
-        sources=["fastio/_memcpy.pyx"],
+        "fastio._memops",
+        sources=["fastio/_memops.pyx", "fastio/crc32c_core.c"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),

@@ -77,6 +77,7 @@ class Snapshot:
         self._skeleton = None
         self._destinations = None  # (entries, staging views) of the last copy
         self._staged = None        # (tensors, versions) between stage() and release_sources()
+        self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
         self.meta: dict = {}
 
     def take(self, step: int, state: dict, meta: dict) -> None:
@@ -119,14 +120,17 @@ class Snapshot:
             self._destinations = (entries, [_staging_view(staging, e) for e in entries if e.nbytes])
         destinations = self._destinations[1]
         sources = [tensor for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
+        self._checksums = None
         with torch.no_grad():
             if not sources:
                 pass
             elif not on_training_thread:
-                # Plain memcpy on this thread without the GIL: torch's copy would use the intra-op
-                # thread pool, which the training thread is using right now.
-                fastio.copy_regions([d.data_ptr() for d in destinations], [s.data_ptr() for s in sources],
-                                    [e.nbytes for e in entries if e.nbytes])
+                # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
+                # thread pool, which the training thread is using right now), checksumming each
+                # piece while it is in cache.
+                self._checksums = fastio.copy_regions(
+                    [d.data_ptr() for d in destinations], [s.data_ptr() for s in sources],
+                    [e.nbytes for e in entries if e.nbytes], checksums=True)
             elif all(src.device.type == "cpu" for src in sources):
                 # One call for all tensors: the GIL is released once, not once per tensor, so
                 # background Python threads cannot stretch the copy with hundreds of GIL hand-offs.
@@ -161,8 +165,11 @@ class Snapshot:
         """
         payload = self._buffer.view(0, self.payload_bytes) if self.payload_bytes else memoryview(b"")
         objects = tree.dumps(self._skeleton)
+        checksums = iter(self._checksums or ())
         tensors = [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": PAYLOAD_OFFSET + e.offset,
-                    "nbytes": e.nbytes, "crc32": zlib.crc32(payload[e.offset:e.offset + e.nbytes])}
+                    "nbytes": e.nbytes,
+                    "crc32c": next(checksums) if self._checksums is not None and e.nbytes else
+                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes])}
                    for e in self.entries]
         file_bytes = PAYLOAD_OFFSET + self.payload_bytes + len(objects) + 8192
         with fastio.Writer(path, size_hint=file_bytes, engine=engine) as writer:
@@ -173,7 +180,7 @@ class Snapshot:
             index = container.encode_index({
                 "version": container.FORMAT_VERSION, "kind": "full", "step": self.step, "session": session,
                 "tensors": tensors, "payload_bytes": self.payload_bytes,
-                "objects": {"offset": objects_offset, "nbytes": len(objects), "crc32": zlib.crc32(objects)},
+                "objects": {"offset": objects_offset, "nbytes": len(objects), "crc32c": fastio.crc32c(objects)},
                 **self.meta})
             index_offset = writer.write(index)
             writer.write(container.trailer_bytes(index_offset, index, container.KIND_FULL))
@@ -181,6 +188,16 @@ class Snapshot:
                 writer.abort()
                 return None
             return writer.size
+
+
+def _checksum_matches(entry: dict, data, path: str, what: str) -> bool:
+    """Check ``data`` against the entry's CRC-32C ("crc32c"; files written before it existed
+    carry zlib's CRC-32 as "crc32")."""
+    if "crc32c" in entry:
+        return fastio.crc32c(data) == entry["crc32c"]
+    if "crc32" in entry:
+        return zlib.crc32(data) == entry["crc32"]
+    raise CorruptCheckpointError(path, f"the index gives the {what} no checksum")
 
 
 def read_full_index(path: str, *, engine=None) -> dict:
@@ -201,7 +218,7 @@ def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[dict, dic
             reader.read_into(PAYLOAD_OFFSET, buffer.view())
         obj = index["objects"]
         objects = reader.read(obj["offset"], obj["nbytes"])
-    if zlib.crc32(objects) != obj["crc32"]:
+    if not _checksum_matches(obj, objects, path, "objects section"):
         raise CorruptCheckpointError(path, f"objects section at offset {obj['offset']} fails its checksum")
     payload = buffer.view()
     staging = buffer.tensor() if payload_bytes else torch.empty(0, dtype=torch.uint8)
@@ -210,7 +227,8 @@ def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[dict, dic
         start = entry["offset"] - PAYLOAD_OFFSET
         if start < 0 or start + entry["nbytes"] > payload_bytes:
             raise CorruptCheckpointError(path, f"tensor {entry['key']!r} lies outside the payload region")
-        if verify and zlib.crc32(payload[start:start + entry["nbytes"]]) != entry["crc32"]:
+        if verify and not _checksum_matches(entry, payload[start:start + entry["nbytes"]], path,
+                                            f"tensor {entry['key']!r}"):
             raise CorruptCheckpointError(path, f"tensor {entry['key']!r} at offset {entry['offset']} fails its checksum")
         dtype = dtype_from_name(entry["dtype"], path)
         shape = tuple(entry["shape"])

@@ -39,9 +39,9 @@ def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monke
     forward_done = threading.Event()
     real_copy = fastio.copy_regions
 
-    def late_copy(*args):
+    def late_copy(*args, **options):
         assert forward_done.wait(30)
-        return real_copy(*args)
+        return real_copy(*args, **options)
     monkeypatch.setattr(fastio, "copy_regions", late_copy)
     directory = str(tmp_path / "ckpt")
     model, opt, sched, sampler = build()
@@ -105,3 +105,53 @@ def test_close_right_after_a_full_step_commits_it(tmp_path):
     _, state = load_full(full_checkpoints(directory)[FULL_EVERY])
     for key, value in expected.items():
         assert torch.equal(state["model"][key], value), key
+
+
+def rewrite_index(path: str, change) -> None:
+    """Replace the index of a full checkpoint by ``change(index)`` (a valid trailer follows)."""
+    from lowdiff import container
+    from lowdiff.fullckpt import read_full_index
+    index = read_full_index(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    index_offset = container.TRAILER.unpack(data[-container.TRAILER.size:])[0]
+    encoded = container.encode_index(change(index))
+    with open(path, "wb") as f:
+        f.write(data[:index_offset] + encoded + container.trailer_bytes(index_offset, encoded, container.KIND_FULL))
+
+
+def test_checksums_old_and_missing(tmp_path):
+    """Files written before CRC-32C carry zlib CRC-32 as "crc32" and still load; an entry with no
+    checksum at all is an error that names the file."""
+    import zlib
+
+    from lowdiff.errors import CorruptCheckpointError
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    opt.close()
+    path = full_checkpoints(directory)[FULL_EVERY]
+    _, want = load_full(path)
+    with open(path, "rb") as f:
+        data = f.read()
+
+    def as_zlib(index):
+        for entry in index["tensors"] + [index["objects"]]:
+            start = entry["offset"]
+            assert zlib.crc32(data[start:start + entry["nbytes"]]) != entry["crc32c"] or entry["nbytes"] == 0
+            entry["crc32"] = zlib.crc32(data[start:start + entry["nbytes"]])
+            del entry["crc32c"]
+        return index
+    rewrite_index(path, as_zlib)
+    _, got = load_full(path)
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value)
+
+    def without_checksum(index):
+        del index["tensors"][0]["crc32"]
+        return index
+    rewrite_index(path, without_checksum)
+    with pytest.raises(CorruptCheckpointError, match=r"full-.*no checksum"):
+        load_full(path)

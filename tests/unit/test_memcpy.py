@@ -76,3 +76,16 @@ def test_other_threads_run_while_it_copies():
     # Ticks in the middle half of the copy: with the GIL held there would be none at all.
     quarter = (ended - started) / 4
     assert any(started + quarter < t < ended - quarter for t in ticks)
+
+
+def test_checksums_are_the_crc32c_of_each_region(rng):
+    """Copy and checksum in one pass: chunks of 256 KiB, so regions around that size matter."""
+    sizes = (0, 1, 4097, 256 * 1024 - 1, 256 * 1024, 256 * 1024 + 1, 3 * 256 * 1024 + 17)
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    targets = [np.zeros_like(s) for s in sources]
+    crcs = fastio.copy_regions([address(t) for t in targets], [address(s) for s in sources], list(sizes),
+                               checksums=True)
+    assert crcs == [fastio.crc32c(s) for s in sources]
+    for s, t in zip(sources, targets):
+        assert np.array_equal(s, t)
+    assert fastio.copy_regions([], [], [], checksums=True) == []
