@@ -175,11 +175,13 @@ def decode_record(data, path: str, offset: int, expected_step: int | None = None
     view = memoryview(data)
     if view.nbytes < RECORD_HEADER.size:
         raise CorruptCheckpointError(path, f"{where} is truncated")
-    magic, version, _flags, step, packed_len, raw_len, crc = RECORD_HEADER.unpack_from(view)
+    magic, version, flags, step, packed_len, raw_len, crc = RECORD_HEADER.unpack_from(view)
     if magic != RECORD_MAGIC:
         raise CorruptCheckpointError(path, f"{where} has bad magic {bytes(magic)!r}")
     if version != container.FORMAT_VERSION:
         raise CorruptCheckpointError(path, f"{where} has format version {version}")
+    if flags:  # none are defined yet: a record that sets one needs a newer reader
+        raise CorruptCheckpointError(path, f"{where} sets unknown flags 0x{flags:04x}")
     end = RECORD_HEADER.size + packed_len + raw_len
     if view.nbytes < end:
         raise CorruptCheckpointError(path, f"{where} is truncated ({view.nbytes} of {end} bytes)")
