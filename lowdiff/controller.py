@@ -12,13 +12,16 @@ less on a crash (at most about two batches).
 """
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import time
 
 AUTO_INITIAL_FULL_EVERY = 50
 AUTO_INITIAL_BATCH_STEPS = 8
 MAX_BATCH_STEPS = 64
 MAX_FULL_EVERY = 100_000
+SAMPLES_KEPT = 1000
 
 
 class _Mean:
@@ -45,6 +48,9 @@ class Controller:
         self.persist_s = _Mean(0.5)
         self.batch_write_s_per_step = _Mean(0.5)
         self._last_step_end = None
+        # Raw samples of the recent past, for stats(): the averages above weigh the latest most.
+        self.samples = {name: collections.deque(maxlen=SAMPLES_KEPT)
+                        for name in ("full_stall_s", "full_persist_s", "batch_write_s")}
 
     # measurements -----------------------------------------------------------
     def step_finished(self, optimizer_step_s: float) -> None:
@@ -56,14 +62,17 @@ class Controller:
 
     def full_taken(self, stall_s: float) -> None:
         self.stall_s.add(stall_s)
+        self.samples["full_stall_s"].append(stall_s)
         self._last_step_end = None  # the stall is not part of a normal step
 
     def full_persisted(self, persist_s: float) -> None:
         self.persist_s.add(persist_s)
+        self.samples["full_persist_s"].append(persist_s)
         self._update()
 
     def batch_written(self, steps: int, write_s: float) -> None:
         self.batch_write_s_per_step.add(write_s / max(steps, 1))
+        self.samples["batch_write_s"].append(write_s)
         self._update()
 
     # decisions --------------------------------------------------------------
@@ -81,6 +90,17 @@ class Controller:
             # W(B) ~= per_batch_s (dominated by fixed costs for small batches): need W <= B*T/2.
             needed = math.ceil(2 * per_batch_s / step_s)
             self.batch_steps = int(min(MAX_BATCH_STEPS, max(1, needed)))
+
+    def stats(self) -> dict:
+        """Median and max of the recent samples, in milliseconds, and how many there were."""
+        out = {}
+        for name, values in self.samples.items():
+            key = name.removesuffix("_s")
+            values = list(values)
+            out[f"{key}_count"] = len(values)
+            out[f"{key}_median_ms"] = statistics.median(values) * 1e3 if values else None
+            out[f"{key}_max_ms"] = max(values) * 1e3 if values else None
+        return out
 
     def describe(self) -> dict:
         return {"full_every": self.full_every, "batch_steps": self.batch_steps,

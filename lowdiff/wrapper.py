@@ -269,6 +269,15 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._diffs.seal()
 
     # ------------------------------------------------------------ durability
+    def stats(self) -> dict:
+        """What checkpointing has cost this process so far, as lowdiff measured it: the training
+        thread's stall per full checkpoint (staging, plus waiting for a background copy at the
+        next step), the background persist time of a full checkpoint and the write time of a
+        differential batch (median/max over the last 1000, in ms), with the settings in force."""
+        return {"step": self.step_count, "full_every": self.controller.full_every,
+                "batch_steps": self.controller.batch_steps, "background_copy": self._fulls.background_copy,
+                **self.controller.stats()}
+
     @property
     def durable_step(self) -> int:
         """The newest step that is on disk and can be resumed (-1 before the first commit)."""

@@ -155,3 +155,20 @@ def test_checksums_old_and_missing(tmp_path):
     rewrite_index(path, without_checksum)
     with pytest.raises(CorruptCheckpointError, match=r"full-.*no checksum"):
         load_full(path)
+
+
+def test_stats_count_what_checkpointing_did(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, 2 * FULL_EVERY + 1)   # batch_steps=3: fulls 0, 6, 12
+    opt.flush()
+    stats = opt.stats()
+    opt.close()
+    assert stats["step"] == 2 * FULL_EVERY + 1 and stats["full_every"] == FULL_EVERY
+    assert stats["background_copy"] is True
+    assert stats["full_stall_count"] == 3 and stats["full_persist_count"] == 3
+    assert stats["batch_write_count"] == len(read_manifest(directory).batches) == 5  # 1-3 4-6 7-9 10-12 13
+    for key in ("full_stall", "full_persist", "batch_write"):
+        assert 0 <= stats[f"{key}_median_ms"] <= stats[f"{key}_max_ms"]
