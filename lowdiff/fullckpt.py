@@ -1,8 +1,9 @@
 """Full checkpoints: snapshot the state into aligned staging memory, persist it, load it back.
 
-The training thread pays for one memcpy (``Snapshot.take``): every tensor is copied into a
-page-aligned staging buffer at the offset it will have in the file. The background writer then
-checksums the buffer and hands it to fastio without another copy (O_DIRECT from staging).
+Every tensor is copied once, into a page-aligned staging buffer at the offset it will have in the
+file (``Snapshot.stage`` on the training thread, then ``Snapshot.copy``, usually on the persist
+thread while training goes on; see the class). fastio writes the buffer without another copy
+(O_DIRECT from staging).
 """
 from __future__ import annotations
 
@@ -80,11 +81,6 @@ class Snapshot:
         self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
         self.meta: dict = {}
 
-    def take(self, step: int, state: dict, meta: dict) -> None:
-        """Stage and copy on the calling thread."""
-        self.stage(step, state, meta)
-        self.copy(on_training_thread=True)
-
     def stage(self, step: int, state: dict, meta: dict) -> None:
         """Record what to copy: ``state`` (nested dicts/lists of tensors and plain values).
 
@@ -96,11 +92,13 @@ class Snapshot:
         self._staged = (tensors, _versions(tensors))
 
     def copyable_in_background(self) -> bool:
-        """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense
-        and contiguous (so a plain memcpy reads it), and has a version counter to check."""
+        """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense,
+        contiguous and without a lazy conjugate/negative bit (so its bytes are its values and a
+        plain memcpy reads it), and has a version counter to check."""
         tensors, versions = self._staged
         return versions is not None and all(
-            t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() for _, t in tensors)
+            t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() for _, t in tensors)
 
     def copy(self, on_training_thread: bool) -> None:
         """Copy the staged tensors into staging memory, each at its offset in the file."""
@@ -153,7 +151,7 @@ class Snapshot:
 
     def prepare(self, payload_bytes: int) -> None:
         """Allocate and pre-fault staging for a state of about ``payload_bytes`` (call off the
-        training thread), so the next ``take`` copies at memcpy speed instead of page-fault speed."""
+        training thread), so the next ``copy`` runs at memcpy speed instead of page-fault speed."""
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
             self.spare = fastio.aligned_buffer(payload_bytes, populate=True)
 

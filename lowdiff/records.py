@@ -84,9 +84,12 @@ def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
                 [g.values if o[1] is None else g.values.cpu()[o[1]] for g, o in zip(sparse, ordered)])
     starts = torch.tensor([0] + [g.numel for g in sparse[:-1]], dtype=torch.int64).cumsum(0)
     offsets = torch.repeat_interleave(starts, torch.tensor(counts))
-    keys, order = torch.sort(indices + offsets)
+    keys = indices + offsets
+    if sum(g.numel for g in sparse) <= _I32_MAX:  # int32 keys sort about 1.4x faster
+        keys = keys.to(torch.int32)
+    keys, order = torch.sort(keys)
     ordered_values = _on_cpu(values)[order]
-    return (keys - offsets).numpy(), list(torch.split(ordered_values, counts))
+    return (keys.to(torch.int64) - offsets).numpy(), list(torch.split(ordered_values, counts))
 
 
 def _delta_bytes(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
@@ -113,6 +116,7 @@ def _delta_bytes(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
 
 
 _U16_MAX = 0xFFFF
+_I32_MAX = 2**31 - 1
 
 
 def _values_bytes(values: list) -> list:

@@ -171,7 +171,7 @@ def test_a_bit_flip_in_a_record_body_fails_the_checksum(record, data):
 def test_a_bit_flip_in_a_record_header_is_detected(record, position, bit):
     blob = bytearray(encoded(record))
     blob[position] ^= 1 << bit
-    with pytest.raises(CorruptCheckpointError, match="unknown flags" if position in (6, 7) else ""):
+    with pytest.raises(CorruptCheckpointError, match="unknown flags" if position in (6, 7) else None):
         decode_record(bytes(blob), "f", 0, expected_step=record.step)
 
 
@@ -235,8 +235,7 @@ def test_a_bit_flip_in_a_batch_record_is_detected(batch_file, data):
     blob, records, entries = batch_file
     which = data.draw(st.integers(0, len(entries) - 1), label="record")
     _, offset, nbytes = entries[which]
-    position = data.draw(st.sampled_from([offset + b for b in CHECKED_HEADER_BYTES] +
-                                         list(range(offset + RECORD_HEADER.size, offset + nbytes))), label="byte")
+    position = data.draw(st.integers(offset, offset + nbytes - 1), label="byte")  # header bytes included
     damaged = bytearray(blob)
     damaged[position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
     with tempfile.TemporaryDirectory() as tmp:
