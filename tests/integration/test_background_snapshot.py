@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
 
 import fastio
 import recovery
@@ -19,12 +20,29 @@ from lowdiff.demo import batch
 from lowdiff.fullckpt import load_full
 from lowdiff.manifest import read_manifest
 
-from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
-
 
 def full_checkpoints(directory) -> dict:
     manifest = read_manifest(directory)
     return {f.step: os.path.join(directory, f.file) for f in manifest.fulls}
+
+
+def trained(tmp_path, steps):
+    """A fresh run wrapped in ``tmp_path/ckpt``, trained for ``steps`` steps."""
+    directory = str(tmp_path / "ckpt")
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    assert recovery.resume(directory, model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, steps)
+    return directory, model, opt, sched, sampler
+
+
+def assert_model_in_checkpoint(path, expected: dict) -> dict:
+    """The model tensors of the full checkpoint at ``path`` equal ``expected``; returns its state."""
+    _, state = load_full(path)
+    assert state["model"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state["model"][key], value), key
+    return state
 
 
 def forward_backward(model, sampler):
@@ -43,11 +61,7 @@ def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monke
         assert forward_done.wait(30)
         return real_copy(*args, **options)
     monkeypatch.setattr(fastio, "copy_regions", late_copy)
-    directory = str(tmp_path / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    assert recovery.resume(directory, model, opt) == 0
-    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    directory, model, opt, _, sampler = trained(tmp_path, FULL_EVERY)
     # step() returned with the full checkpoint of step FULL_EVERY staged, not yet copied or judged
     assert opt._fulls._verdict is not None
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
@@ -58,10 +72,7 @@ def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monke
         forward_done.set()
         opt.step()                         # waits for the copy before changing parameters
         opt.flush()
-    _, state = load_full(full_checkpoints(directory)[FULL_EVERY])
-    assert state["model"].keys() == expected_model.keys()
-    for key, value in expected_model.items():
-        assert torch.equal(state["model"][key], value), key
+    state = assert_model_in_checkpoint(full_checkpoints(directory)[FULL_EVERY], expected_model)
     assert any(not torch.equal(a, b) for a, b in zip(expected_model.values(), model.state_dict().values()))
     stored = state["optimizer"]["state"]
     for i, moment in enumerate(expected_moments):
@@ -70,11 +81,7 @@ def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monke
 
 
 def test_a_change_in_place_outside_step_discards_that_checkpoint(tmp_path):
-    directory = str(tmp_path / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    assert recovery.resume(directory, model, opt) == 0
-    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    directory, model, opt, sched, sampler = trained(tmp_path, FULL_EVERY)
     with torch.no_grad():
         model[0].weight.mul_(0.5)          # outside step(): the staged state is no longer the boundary's
     forward_backward(model, sampler)
@@ -88,23 +95,15 @@ def test_a_change_in_place_outside_step_discards_that_checkpoint(tmp_path):
     # later checkpoints are copied before step() returns, and hold the state of their step
     assert not opt._fulls.background_copy
     assert 2 * FULL_EVERY in fulls
-    _, state = load_full(fulls[2 * FULL_EVERY])
-    for key, value in model.state_dict().items():
-        assert torch.equal(state["model"][key], value), key
+    assert_model_in_checkpoint(fulls[2 * FULL_EVERY], model.state_dict())
     opt.close()
 
 
 def test_close_right_after_a_full_step_commits_it(tmp_path):
-    directory = str(tmp_path / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    assert recovery.resume(directory, model, opt) == 0
-    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    directory, model, opt, _, _ = trained(tmp_path, FULL_EVERY)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     opt.close()
-    _, state = load_full(full_checkpoints(directory)[FULL_EVERY])
-    for key, value in expected.items():
-        assert torch.equal(state["model"][key], value), key
+    assert_model_in_checkpoint(full_checkpoints(directory)[FULL_EVERY], expected)
 
 
 def rewrite_index(path: str, change) -> None:
@@ -126,11 +125,7 @@ def test_checksums_old_and_missing(tmp_path):
     import zlib
 
     from lowdiff.errors import CorruptCheckpointError
-    directory = str(tmp_path / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    assert recovery.resume(directory, model, opt) == 0
-    train_steps(model, opt, sched, sampler, 0, FULL_EVERY)
+    directory, _, opt, _, _ = trained(tmp_path, FULL_EVERY)
     opt.close()
     path = full_checkpoints(directory)[FULL_EVERY]
     _, want = load_full(path)
@@ -145,9 +140,7 @@ def test_checksums_old_and_missing(tmp_path):
             del entry["crc32c"]
         return index
     rewrite_index(path, as_zlib)
-    _, got = load_full(path)
-    for key, value in want["model"].items():
-        assert torch.equal(got["model"][key], value)
+    assert_model_in_checkpoint(path, want["model"])
 
     def without_checksum(index):
         del index["tensors"][0]["crc32"]
@@ -158,11 +151,7 @@ def test_checksums_old_and_missing(tmp_path):
 
 
 def test_stats_count_what_checkpointing_did(tmp_path):
-    directory = str(tmp_path / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    assert recovery.resume(directory, model, opt) == 0
-    train_steps(model, opt, sched, sampler, 0, 2 * FULL_EVERY + 1)   # batch_steps=3: fulls 0, 6, 12
+    directory, _, opt, _, _ = trained(tmp_path, 2 * FULL_EVERY + 1)  # batch_steps=3: fulls 0, 6, 12
     opt.flush()
     stats = opt.stats()
     opt.close()

@@ -4,11 +4,11 @@ import time
 
 import numpy as np
 import pytest
+from fastio._memops import crc32c_backend, crc32c_software
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastio
-from fastio._memops import crc32c_backend, crc32c_software
 
 IMPLEMENTATIONS = [fastio.crc32c, crc32c_software]
 
@@ -116,7 +116,7 @@ def test_other_threads_run_while_it_checksums():
         running = threading.Event()
         stop = threading.Event()
 
-        def count():
+        def count(stamps=stamps, running=running, stop=stop):
             running.set()
             while not stop.is_set():
                 stamps.append(time.perf_counter())
