@@ -229,8 +229,7 @@ class FullWriter:
             warnings.warn(
                 f"lowdiff: {shown} changed in place after step {self._snapshot.step} outside optimizer.step(); "
                 f"the full checkpoint of step {self._snapshot.step} is discarded and later ones are copied "
-                f"before step() returns. Differential replay cannot reproduce changes made outside step() either: "
-                f"resumed state will not match this run exactly.", RuntimeWarning, stacklevel=4)
+                f"before step() returns.", RuntimeWarning, stacklevel=4)
 
     def prepare(self, payload_bytes: int) -> None:
         """Pre-fault staging for the next full checkpoint in the background."""

@@ -44,10 +44,11 @@ def plan_layout(tensors: list) -> tuple[list[TensorEntry], int]:
     return entries, -(-offset // PAGE) * PAGE
 
 
-def _versions(tensors: list) -> list | None:
-    """Version counters of ``[(key, tensor)]``; None if one has none (an inference tensor)."""
+def version_counters(tensors) -> list | None:
+    """The tensors' version counters (bumped by every in-place change); None if one has none
+    (an inference tensor)."""
     try:
-        return [tensor._version for _, tensor in tensors]
+        return [tensor._version for tensor in tensors]
     except RuntimeError:
         return None
 
@@ -89,7 +90,7 @@ class Snapshot:
         """
         skeleton, tensors = tree.split_tensors(state)
         self.step, self._skeleton, self.meta = step, skeleton, meta
-        self._staged = (tensors, _versions(tensors))
+        self._staged = (tensors, version_counters(t for _, t in tensors))
 
     def copyable_in_background(self) -> bool:
         """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 
 import torch
 
@@ -21,6 +22,7 @@ from .config import WrapConfig
 from .controller import Controller
 from .ddp import AggregatedRecorder, CompressedAllReduce, distributed_rank, is_ddp
 from .errors import CheckpointError
+from .fullckpt import version_counters
 from .lifecycle import Busy, install_exit_hooks, live
 from .records import StepRecord
 from .store import CheckpointStore
@@ -93,6 +95,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._last_skipped = None
         self._boundary = self._capture_boundary()
         self._staging_prepared = False
+        self._full_due = False                  # take a full checkpoint at the end of this step
+        self._param_versions = None             # version counters at the last iteration boundary
+        self.outside_changes = 0                # steps that found a parameter changed outside step()
         self._busy = 0
         live.add(self)
         install_exit_hooks()
@@ -140,6 +145,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise CheckpointError("step() on a closed lowdiff optimizer")
         if not self._base_taken:
             self._take_base()
+        else:
+            self._check_parameters_untouched()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -159,13 +166,36 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         record = StepRecord(self.step_count, skipped, grads or [], self._boundary_objects(groups_used, skipped))
         self._diffs.put(record)
-        if self.step_count - self._last_full_step >= self.controller.full_every:
+        if self._full_due or self.step_count - self._last_full_step >= self.controller.full_every:
+            self._full_due = False
             self._take_full(base=False, boundary=record.objects)
         elif not self._staging_prepared:
             # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
             self._staging_prepared = True
             self._fulls.prepare(self._state_nbytes())
+        self._param_versions = version_counters(self._params)
         return loss
+
+    def _check_parameters_untouched(self) -> None:
+        """A parameter changed in place since the last step() (outside it) is a change no
+        differential holds: replay would miss it. Say so, and take a full checkpoint at the end of
+        this step, so that resuming from here on is exact again."""
+        if self._param_versions is None:
+            return
+        changed = [name for name, p, version in zip(self.param_names, self._params, self._param_versions)
+                   if p._version != version]
+        if not changed:
+            return
+        self._full_due = True
+        self.outside_changes += 1
+        if self.outside_changes == 1:
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            warnings.warn(
+                f"lowdiff: parameter {shown} changed in place after step {self.step_count}, outside step(). "
+                f"Differentials cannot replay that, so lowdiff takes a full checkpoint at the end of this step "
+                f"(and after any further such change; this warning is shown once). Resuming at a step in "
+                f"between would not match this run. Make such changes inside the optimizer step to keep "
+                f"per-step checkpoints cheap.", RuntimeWarning, stacklevel=4)
 
     def _state_nbytes(self) -> int:
         """About the payload of a full checkpoint: model and optimizer tensors, page-rounded."""
@@ -273,9 +303,11 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         """What checkpointing has cost this process so far, as lowdiff measured it: the training
         thread's stall per full checkpoint (staging, plus waiting for a background copy at the
         next step), the background persist time of a full checkpoint and the write time of a
-        differential batch (median/max over the last 1000, in ms), with the settings in force."""
+        differential batch (median/max over the last 1000, in ms), with the settings in force, and
+        how many steps found a parameter changed outside step() (each forced a full checkpoint)."""
         return {"step": self.step_count, "full_every": self.controller.full_every,
                 "batch_steps": self.controller.batch_steps, "background_copy": self._fulls.background_copy,
+                "outside_changes": self.outside_changes,
                 **self.controller.stats()}
 
     @property

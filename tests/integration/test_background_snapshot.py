@@ -16,7 +16,7 @@ from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
 
 import fastio
 import recovery
-from lowdiff.demo import batch
+from lowdiff.demo import batch, state_digest
 from lowdiff.fullckpt import load_full
 from lowdiff.manifest import read_manifest
 
@@ -85,18 +85,52 @@ def test_a_change_in_place_outside_step_discards_that_checkpoint(tmp_path):
     with torch.no_grad():
         model[0].weight.mul_(0.5)          # outside step(): the staged state is no longer the boundary's
     forward_backward(model, sampler)
-    with pytest.warns(RuntimeWarning, match=r"0\.weight changed in place after step 6 outside optimizer\.step"):
+    with pytest.warns(RuntimeWarning) as caught:
         opt.step()
-    train_steps(model, opt, sched, sampler, FULL_EVERY + 1, 2 * FULL_EVERY)
+    messages = [str(w.message) for w in caught]
+    assert any("0.weight changed in place after step 6 outside optimizer.step(); the full checkpoint of "
+               "step 6 is discarded" in m for m in messages), messages
+    after_change = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps(model, opt, sched, sampler, FULL_EVERY + 1, 2 * FULL_EVERY + 1)
     opt.flush()
     fulls = full_checkpoints(directory)
     assert FULL_EVERY not in fulls                  # discarded, not committed torn
     assert not [n for n in os.listdir(directory) if ".tmp-" in n]
-    # later checkpoints are copied before step() returns, and hold the state of their step
+    # the change forced a full checkpoint at the end of the next step; it and later ones are
+    # copied before step() returns, and hold the state of their step
     assert not opt._fulls.background_copy
-    assert 2 * FULL_EVERY in fulls
-    assert_model_in_checkpoint(fulls[2 * FULL_EVERY], model.state_dict())
+    assert sorted(fulls) == [0, FULL_EVERY + 1, 2 * FULL_EVERY + 1]
+    assert_model_in_checkpoint(fulls[FULL_EVERY + 1], after_change)
+    assert_model_in_checkpoint(fulls[2 * FULL_EVERY + 1], model.state_dict())
     opt.close()
+
+
+def test_a_parameter_changed_outside_step_forces_a_full_checkpoint_so_resume_stays_exact(tmp_path):
+    """Replay cannot redo a change made outside step(); the full checkpoint taken at the end of
+    the next step makes every later step resumable exactly again. Warned once."""
+    directory, model, opt, sched, sampler = trained(tmp_path, 2)
+    digests = {}
+
+    def remember(step):
+        digests[step] = state_digest(model, opt, sched, sampler)
+    with torch.no_grad():
+        model[4].bias.add_(1.0)            # like loading new weights by hand between steps
+    with pytest.warns(RuntimeWarning, match=r"parameter 4\.bias changed in place after step 2, outside step\(\)"):
+        train_steps(model, opt, sched, sampler, 2, 4, remember)
+    with torch.no_grad():
+        model[0].weight.mul_(0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")     # shown once
+        train_steps(model, opt, sched, sampler, 4, 5, remember)
+    stats = opt.stats()
+    opt.close()
+    assert stats["outside_changes"] == 2
+    assert {3, 5} <= set(full_checkpoints(directory))   # forced at the end of each step that found a change
+    model2, opt2, sched2, sampler2 = build()
+    opt2 = wrap(directory, model2, opt2, sched2, sampler2)
+    assert recovery.resume(directory, model2, opt2, scheduler=sched2, extra_state={"sampler": sampler2}) == 5
+    assert state_digest(model2, opt2, sched2, sampler2) == digests[5]
+    opt2.close()
 
 
 def test_close_right_after_a_full_step_commits_it(tmp_path):
