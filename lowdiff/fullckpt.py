@@ -44,7 +44,7 @@ def plan_layout(tensors: list) -> tuple[list[TensorEntry], int]:
     return entries, -(-offset // PAGE) * PAGE
 
 
-def version_counters(tensors) -> list | None:
+def _version_counters(tensors) -> list | None:
     """The tensors' version counters (bumped by every in-place change); None if one has none
     (an inference tensor)."""
     try:
@@ -90,7 +90,7 @@ class Snapshot:
         """
         skeleton, tensors = tree.split_tensors(state)
         self.step, self._skeleton, self.meta = step, skeleton, meta
-        self._staged = (tensors, version_counters(t for _, t in tensors))
+        self._staged = (tensors, _version_counters(t for _, t in tensors))
 
     def copyable_in_background(self) -> bool:
         """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense,

@@ -22,7 +22,6 @@ from .config import WrapConfig
 from .controller import Controller
 from .ddp import AggregatedRecorder, CompressedAllReduce, distributed_rank, is_ddp
 from .errors import CheckpointError
-from .fullckpt import version_counters
 from .lifecycle import Busy, install_exit_hooks, live
 from .records import StepRecord
 from .store import CheckpointStore
@@ -96,7 +95,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._boundary = self._capture_boundary()
         self._staging_prepared = False
         self._full_due = False                  # take a full checkpoint at the end of this step
-        self._param_versions = None             # version counters at the last iteration boundary
+        self._state_marks = None                # see _training_state_marks, at the last iteration boundary
         self.outside_changes = 0                # steps that found a parameter changed outside step()
         self._busy = 0
         live.add(self)
@@ -146,7 +145,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if not self._base_taken:
             self._take_base()
         else:
-            self._check_parameters_untouched()
+            self._check_state_untouched()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -173,25 +172,43 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
             self._staging_prepared = True
             self._fulls.prepare(self._state_nbytes())
-        self._param_versions = version_counters(self._params)
+        self._state_marks = self._training_state_marks()
         return loss
 
-    def _check_parameters_untouched(self) -> None:
-        """A parameter changed in place since the last step() (outside it) is a change no
-        differential holds: replay would miss it. Say so, and take a full checkpoint at the end of
-        this step, so that resuming from here on is exact again."""
-        if self._param_versions is None:
+    def _training_state_marks(self) -> set | None:
+        """What changes whenever the parameters or the optimizer's tensors change: each one's
+        version counter (bumped by in-place changes) and, for optimizer state, its identity (a
+        tensor replaced, e.g. by load_state_dict), as (slot, key, ...) tuples. About 0.5 µs per
+        tensor; None if a tensor keeps no version counter (inference tensors)."""
+        try:
+            marks = {(slot, None, p._version) for slot, p in enumerate(self._params)}
+            state = self.optimizer.state
+            for slot, p in enumerate(self._params):
+                entries = state.get(p)
+                if entries:
+                    marks.update((slot, key, id(v), v._version) for key, v in entries.items()
+                                 if isinstance(v, torch.Tensor))
+        except RuntimeError:
+            return None
+        return marks
+
+    def _check_state_untouched(self) -> None:
+        """A parameter or optimizer tensor changed since the last step() (outside it) is a change
+        no differential holds: replay would miss it. Say so, and take a full checkpoint at the end
+        of this step, so that resuming from here on is exact again."""
+        if self._state_marks is None:
             return
-        changed = [name for name, p, version in zip(self.param_names, self._params, self._param_versions)
-                   if p._version != version]
-        if not changed:
+        now = self._training_state_marks()
+        if now is None or now == self._state_marks:
             return
         self._full_due = True
         self.outside_changes += 1
         if self.outside_changes == 1:
+            changed = sorted({self.param_names[slot] + ("" if key is None else f" (optimizer state {key!r})")
+                              for slot, key, *_ in now ^ self._state_marks})
             shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
             warnings.warn(
-                f"lowdiff: parameter {shown} changed in place after step {self.step_count}, outside step(). "
+                f"lowdiff: {shown} changed after step {self.step_count}, outside step(). "
                 f"Differentials cannot replay that, so lowdiff takes a full checkpoint at the end of this step "
                 f"(and after any further such change; this warning is shown once). Resuming at a step in "
                 f"between would not match this run. Make such changes inside the optimizer step to keep "

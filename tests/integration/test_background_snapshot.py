@@ -6,6 +6,7 @@ though training goes on (BatchNorm statistics change in the next forward pass, g
 rewritten), and that a change made in place outside step() is caught by the version counters:
 that checkpoint is discarded, never committed torn.
 """
+import copy
 import os
 import threading
 import warnings
@@ -105,7 +106,7 @@ def test_a_change_in_place_outside_step_discards_that_checkpoint(tmp_path):
     opt.close()
 
 
-def test_a_parameter_changed_outside_step_forces_a_full_checkpoint_so_resume_stays_exact(tmp_path):
+def test_a_change_outside_step_forces_a_full_checkpoint_so_resume_stays_exact(tmp_path):
     """Replay cannot redo a change made outside step(); the full checkpoint taken at the end of
     the next step makes every later step resumable exactly again. Warned once."""
     directory, model, opt, sched, sampler = trained(tmp_path, 2)
@@ -115,21 +116,23 @@ def test_a_parameter_changed_outside_step_forces_a_full_checkpoint_so_resume_sta
         digests[step] = state_digest(model, opt, sched, sampler)
     with torch.no_grad():
         model[4].bias.add_(1.0)            # like loading new weights by hand between steps
-    with pytest.warns(RuntimeWarning, match=r"parameter 4\.bias changed in place after step 2, outside step\(\)"):
+    with pytest.warns(RuntimeWarning, match=r"^lowdiff: 4\.bias changed after step 2, outside step\(\)"):
         train_steps(model, opt, sched, sampler, 2, 4, remember)
-    with torch.no_grad():
-        model[0].weight.mul_(0.9)
+    first = opt.param_groups[0]["params"][0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")     # shown once
+        opt.state[first]["exp_avg_sq"].mul_(2.0)              # optimizer state, in place
         train_steps(model, opt, sched, sampler, 4, 5, remember)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # same values, new tensors: replaced
+        train_steps(model, opt, sched, sampler, 5, 7, remember)
     stats = opt.stats()
     opt.close()
-    assert stats["outside_changes"] == 2
-    assert {3, 5} <= set(full_checkpoints(directory))   # forced at the end of each step that found a change
+    assert stats["outside_changes"] == 3
+    assert {3, 5, 6} <= set(full_checkpoints(directory))  # forced at the end of each step that found a change
     model2, opt2, sched2, sampler2 = build()
     opt2 = wrap(directory, model2, opt2, sched2, sampler2)
-    assert recovery.resume(directory, model2, opt2, scheduler=sched2, extra_state={"sampler": sampler2}) == 5
-    assert state_digest(model2, opt2, sched2, sampler2) == digests[5]
+    assert recovery.resume(directory, model2, opt2, scheduler=sched2, extra_state={"sampler": sampler2}) == 7
+    assert state_digest(model2, opt2, sched2, sampler2) == digests[7]
     opt2.close()
 
 
