@@ -444,6 +444,21 @@ def describe(run: Run, wall_s: float) -> str:
             f"{fmt_bytes(run.bytes_per_step)}/step, other load {run.foreign_cores:.2f} cores, wall {wall_s:.1f} s")
 
 
+def advance(trainers: list, args) -> ForeignLoad:
+    """Warmup and timed steps of every trainer, one step each per round, the order rotated every
+    round; returns the CPU other processes used during the timed steps."""
+    load = ForeignLoad()
+    gc.collect()
+    for s in range(args.warmup + args.steps):
+        if s == args.warmup:
+            load.start()
+        k = s % len(trainers)
+        for t in trainers[k:] + trainers[:k]:
+            t.step(s)
+    load.stop()
+    return load
+
+
 def run_interleaved(names: list[str], rep: int, args, cfg, lowdiff) -> list[Run]:
     """All ``names`` alive together, one step each per round, the order rotated every round."""
     if args.idle_threshold > 0:
@@ -451,16 +466,8 @@ def run_interleaved(names: list[str], rep: int, args, cfg, lowdiff) -> list[Run]
     t_start = time.perf_counter()
     trainers = [Trainer(n, "interleaved", rep, args, cfg, fresh_dir(args, n, "interleaved", rep), lowdiff)
                 for n in names]
-    load = ForeignLoad()
     try:
-        gc.collect()
-        for s in range(args.warmup + args.steps):
-            if s == args.warmup:
-                load.start()
-            k = s % len(trainers)
-            for t in trainers[k:] + trainers[:k]:
-                t.step(s)
-        load.stop()
+        load = advance(trainers, args)
         runs = []
         for t in trainers:
             runs.append(t.finish())
@@ -485,14 +492,8 @@ def run_block(name: str, rep: int, args, cfg, lowdiff) -> Run:
             wait_until_idle(args.idle_threshold, args.idle_wait)
         t_start = time.perf_counter()
         trainer = Trainer(name, "block", rep, args, cfg, fresh_dir(args, name, "block", rep), lowdiff)
-        load = ForeignLoad()
         try:
-            gc.collect()
-            for s in range(args.warmup + args.steps):
-                if s == args.warmup:
-                    load.start()
-                trainer.step(s)
-            load.stop()
+            load = advance([trainer], args)
             run = trainer.finish()
         except BaseException:
             trainer.abort()

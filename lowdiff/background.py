@@ -109,10 +109,12 @@ class DiffWriter:
             self._release(len(pending))
 
 
-class _Verdict:
-    """The training thread's judgement of a snapshot copied in the background: may it be committed?"""
+class _BackgroundCopy:
+    """A snapshot being copied on the persist thread: ``copied`` is set when the copy has ended;
+    then the training thread decides whether it may be committed."""
 
     def __init__(self):
+        self.copied = threading.Event()
         self._decided = threading.Event()
         self.ok = False
 
@@ -120,7 +122,7 @@ class _Verdict:
         self.ok = ok
         self._decided.set()
 
-    def wait(self) -> bool:
+    def may_commit(self) -> bool:
         self._decided.wait()
         return self.ok
 
@@ -189,8 +191,7 @@ class FullWriter:
         self._snapshot = Snapshot()
         self._worker = _Worker("lowdiff-full-writer")
         self._errors = _ErrorSlot()
-        self._copied: threading.Event | None = None   # set when a background copy has ended
-        self._verdict: _Verdict | None = None
+        self._pending_copy: _BackgroundCopy | None = None
         self._stall_s = 0.0
 
     def take(self, step: int, state: dict, meta: dict, base: bool) -> None:
@@ -202,26 +203,26 @@ class FullWriter:
         self._snapshot.stage(step, state, meta)
         background = self.background_copy and not base and self._snapshot.copyable_in_background()
         if background:
-            self._copied, self._verdict = threading.Event(), _Verdict()
+            self._pending_copy = _BackgroundCopy()
         else:
             self._snapshot.copy(on_training_thread=True)
             self._snapshot.release_sources()
         self._stall_s = time.perf_counter() - started
         if not background:
             self.controller.full_taken(self._stall_s)
-        copied, verdict = self._copied, self._verdict
-        self._worker.submit(lambda: self._persist(step, base, copied, verdict))
+        pending = self._pending_copy
+        self._worker.submit(lambda: self._persist(step, base, pending))
 
     def release(self) -> None:
         """Training thread: wait for a background copy to end and judge it (see the class doc)."""
-        if self._verdict is None:
+        pending, self._pending_copy = self._pending_copy, None
+        if pending is None:
             return
         started = time.perf_counter()
-        self._copied.wait()
+        pending.copied.wait()
         modified = self._snapshot.modified_since_stage()
         self._snapshot.release_sources()
-        verdict, self._verdict, self._copied = self._verdict, None, None
-        verdict.decide(not modified)
+        pending.decide(not modified)
         self.controller.full_taken(self._stall_s + time.perf_counter() - started)
         if modified:
             self.background_copy = False
@@ -241,17 +242,17 @@ class FullWriter:
         self.wait()
         self._worker.submit(run)
 
-    def _persist(self, step: int, base: bool, copied: threading.Event | None, verdict: _Verdict | None) -> None:
+    def _persist(self, step: int, base: bool, pending: _BackgroundCopy | None) -> None:
         try:
             started = time.perf_counter()
-            if copied is not None:
+            if pending is not None:
                 try:
                     self._snapshot.copy(on_training_thread=False)
                 finally:
-                    copied.set()
+                    pending.copied.set()
             path = self.store.full_path(step)
             nbytes = self._snapshot.persist(path, self.store.session, engine=self._engine,
-                                            before_commit=verdict.wait if verdict is not None else None)
+                                            before_commit=pending.may_commit if pending is not None else None)
             if nbytes is None:
                 return  # discarded: the training thread saw the state change during the copy
             self.store.commit_full(step, path, nbytes, base=base)

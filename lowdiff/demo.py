@@ -76,6 +76,17 @@ def batch(sampler: ShuffledSampler, size: int = 32):
     return DATA[0][idx] + noise, DATA[1][idx]
 
 
+def forward_backward(model, sampler) -> torch.Tensor:
+    """One training iteration up to the optimizer step: the next batch, forward in train mode
+    (BatchNorm statistics, Dropout), backward, gradient clipping. Returns the loss."""
+    x, y = batch(sampler)
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return loss
+
+
 def state_digest(model, optimizer, scheduler, sampler) -> str:
     h = hashlib.sha256()
 
@@ -125,11 +136,7 @@ def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="t
         log(f"resumed at step {start} {out['digests'][start]}")
     comp = compressor_from(compressor, ratio) if directory is None else None
     for step in range(start, steps):
-        x, y = batch(sampler)
-        model.train()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss = forward_backward(model, sampler)
         if comp is not None:  # the reference run applies the same compression, without lowdiff
             _compress_in_place(opt, comp)
         opt.step()

@@ -73,23 +73,24 @@ def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
     once: each tensor's indices are offset past the previous tensors', so one sort orders every
     tensor and keeps them apart."""
     indices = _on_cpu([g.indices for g in sparse]).to(torch.int64)
-    counts = [g.indices.numel() for g in sparse]
-    if all(g.sorted for g in sparse):
-        return indices.numpy(), [g.values for g in sparse]
     values = [g.values for g in sparse]
-    if any(v.dtype != values[0].dtype for v in values):  # mixed dtypes: sort tensor by tensor
-        ordered = [torch.sort(i.to(torch.int64)) if not g.sorted else (i.to(torch.int64), None)
-                   for i, g in zip((g.indices.cpu() for g in sparse), sparse)]
-        return (torch.cat([o[0] for o in ordered]).numpy(),
-                [g.values if o[1] is None else g.values.cpu()[o[1]] for g, o in zip(sparse, ordered)])
+    if all(g.sorted for g in sparse):
+        return indices.numpy(), values
+    counts = [g.indices.numel() for g in sparse]
     starts = torch.tensor([0] + [g.numel for g in sparse[:-1]], dtype=torch.int64).cumsum(0)
     offsets = torch.repeat_interleave(starts, torch.tensor(counts))
     keys = indices + offsets
     if sum(g.numel for g in sparse) <= _I32_MAX:  # int32 keys sort about 1.4x faster
         keys = keys.to(torch.int32)
     keys, order = torch.sort(keys)
-    ordered_values = _on_cpu(values)[order]
-    return (keys.to(torch.int64) - offsets).numpy(), list(torch.split(ordered_values, counts))
+    if all(v.dtype == values[0].dtype for v in values):
+        values = torch.split(_on_cpu(values)[order], counts)  # one gather for every tensor
+    else:  # the order stays within each tensor's segment: gather tensor by tensor
+        first = 0
+        for i, (part, count) in enumerate(zip(torch.split(order, counts), counts)):
+            values[i] = values[i].cpu()[part - first]
+            first += count
+    return (keys.to(torch.int64) - offsets).numpy(), list(values)
 
 
 def _delta_bytes(flat: np.ndarray, counts: list) -> tuple[bytes, list]:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import lowdiff
-from lowdiff.demo import ShuffledSampler, batch
+from lowdiff.demo import ShuffledSampler, forward_backward
 
 FULL_EVERY = 6
 BATCH_STEPS = 3
@@ -36,11 +36,7 @@ def train_steps(model, opt, sched, sampler, start, stop, on_step=None):
     """Steps ``start+1 .. stop``: python, numpy and torch RNG, the sampler, BatchNorm and Dropout
     all feed into the state, so any of them restored wrongly changes the result."""
     for step in range(start, stop):
-        x, y = batch(sampler)
-        model.train()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        forward_backward(model, sampler)
         opt.step()
         opt.zero_grad()
         if on_step:

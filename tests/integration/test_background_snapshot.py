@@ -17,7 +17,7 @@ from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
 
 import fastio
 import recovery
-from lowdiff.demo import batch, state_digest
+from lowdiff.demo import forward_backward, state_digest
 from lowdiff.fullckpt import load_full
 from lowdiff.manifest import read_manifest
 
@@ -46,12 +46,6 @@ def assert_model_in_checkpoint(path, expected: dict) -> dict:
     return state
 
 
-def forward_backward(model, sampler):
-    x, y = batch(sampler)
-    model.train()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-
-
 def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monkeypatch):
     # Hold the background copy until the next forward/backward pass has run, so the test sees
     # what a slow copy of a large state would see.
@@ -64,7 +58,7 @@ def test_the_boundary_state_lands_on_disk_while_training_goes_on(tmp_path, monke
     monkeypatch.setattr(fastio, "copy_regions", late_copy)
     directory, model, opt, _, sampler = trained(tmp_path, FULL_EVERY)
     # step() returned with the full checkpoint of step FULL_EVERY staged, not yet copied or judged
-    assert opt._fulls._verdict is not None
+    assert opt._fulls._pending_copy is not None
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
     expected_moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     with warnings.catch_warnings():
