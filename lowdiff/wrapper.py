@@ -91,7 +91,6 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._base_taken = False
         self._closed = False
         self._last_full_step = 0
-        self._last_skipped = None
         self._boundary = self._capture_boundary()
         self._staging_prepared = False
         self._full_due = False                  # take a full checkpoint at the end of this step
@@ -159,7 +158,6 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if not skipped:
             self.optimizer.step()
         self.controller.step_finished(time.perf_counter() - started)
-        self._last_skipped = skipped
         if self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
