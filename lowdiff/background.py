@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 
+from . import faults
 from .batchfile import write_batch
 from .fullckpt import Snapshot
 from .records import encode_record
@@ -101,6 +102,7 @@ class DiffWriter:
                 first, last = pending[0][0], pending[-1][0]
                 path = self.store.batch_path(first, last)
                 nbytes = write_batch(path, self.store.session, pending, engine=self._engine)
+                faults.point("batch-commit")
                 self.store.commit_batch(first, last, path, nbytes)
                 self.controller.batch_written(len(pending), time.perf_counter() - started)
         except BaseException as exc:
@@ -255,6 +257,7 @@ class FullWriter:
                                             before_commit=pending.may_commit if pending is not None else None)
             if nbytes is None:
                 return  # discarded: the training thread saw the state change during the copy
+            faults.point("full-commit")
             self.store.commit_full(step, path, nbytes, base=base)
             self.controller.full_persisted(time.perf_counter() - started)
         except BaseException as exc:

@@ -5,7 +5,7 @@ import logging
 
 import fastio
 
-from . import container
+from . import container, faults
 from .errors import CorruptCheckpointError
 from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, record_length
 
@@ -23,6 +23,7 @@ def write_batch(path: str, session: str, records: list, *, engine=None) -> int:
             for buffer in buffers:
                 writer.write(buffer)
             entries.append([step, offset, writer.size - offset])
+        faults.point("batch-write")
         index = container.encode_index({
             "version": container.FORMAT_VERSION, "kind": "diff", "session": session,
             "first": records[0][0], "last": records[-1][0], "records": entries})

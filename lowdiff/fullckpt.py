@@ -14,7 +14,7 @@ import torch
 
 import fastio
 
-from . import container, tree
+from . import container, faults, tree
 from .errors import CorruptCheckpointError
 from .records import dtype_from_name, dtype_name
 
@@ -175,6 +175,7 @@ class Snapshot:
             writer.write(container.preamble_bytes(container.KIND_FULL))
             writer.pad_to(PAGE)
             writer.write(payload)
+            faults.point("full-write")
             objects_offset = writer.write(objects)
             index = container.encode_index({
                 "version": container.FORMAT_VERSION, "kind": "full", "step": self.step, "session": session,

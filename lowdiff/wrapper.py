@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from . import capture
+from . import capture, faults
 from .background import DiffWriter, FullWriter
 from .compress import Compressed, Dense, decompress_into
 from .config import WrapConfig
@@ -163,6 +163,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         record = StepRecord(self.step_count, skipped, grads or [], self._boundary_objects(groups_used, skipped))
         self._diffs.put(record)
+        faults.point("record")
         if self._full_due or self.step_count - self._last_full_step >= self.controller.full_every:
             self._full_due = False
             self._take_full(base=False, boundary=record.objects)
