@@ -1,8 +1,10 @@
 """lowdiff: per-iteration checkpointing for PyTorch with exact resume."""
 from .compress import Dense, TopK
-from .errors import (CheckpointError, CheckpointLockedError, CorruptCheckpointError, ForeignFileError,
-                     NoCheckpointError, VersionMismatchError)
+from .errors import (CheckpointError, CheckpointFileError, CheckpointLockedError, CorruptCheckpointError,
+                     DirectoryBusyError, ForeignFileError, IncompatibleCheckpointError, NoCheckpointError,
+                     VersionMismatchError)
 from .wrapper import LowDiffOptimizer, wrap
 
-__all__ = ["CheckpointError", "CheckpointLockedError", "CorruptCheckpointError", "Dense", "ForeignFileError",
-           "LowDiffOptimizer", "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
+__all__ = ["CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
+           "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
+           "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]

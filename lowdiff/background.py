@@ -2,7 +2,9 @@
 threads turn them into committed files: one for differential batches (small, latency-sensitive,
 URGENT priority in fastio) and one for full checkpoints (large, BULK), so a differential batch is
 never queued behind a full checkpoint. Errors are kept and re-raised, with their original type, in
-the training thread at the next ``put``/``flush``/``close``."""
+the training thread by ``check`` (lowdiff calls it at the start of every ``step``, and in ``flush`` and
+``close``) — every time, not once: after a failed write the steps recorded since are not on disk, and
+checkpointing stays stopped until the optimizer is closed."""
 from __future__ import annotations
 
 import queue
@@ -17,13 +19,22 @@ from .records import encode_record
 
 
 class _ErrorSlot:
-    def __init__(self):
+    """The first error of a background thread, kept (sticky) and re-raised with its original type."""
+
+    def __init__(self, durable_step):
         self.error: BaseException | None = None
+        self._durable_step = durable_step   # says, in the error, what is still on disk
+        self._explained = False
 
     def check(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
+        if self.error is None:
+            return
+        if not self._explained:
+            self._explained = True
+            self.error.add_note(
+                f"lowdiff: checkpointing has stopped; the newest durable step is {max(self._durable_step(), 0)} and "
+                f"later steps are not on disk. Fix the cause, then restart from recovery.resume().")
+        raise self.error
 
 
 class DiffWriter:
@@ -39,12 +50,13 @@ class DiffWriter:
         self._queue: queue.Queue = queue.Queue()
         self._pending_steps = 0          # recorded, not yet durable (or dropped after an error)
         self._room = threading.Condition()
-        self._errors = _ErrorSlot()
+        self._errors = _ErrorSlot(store.durable_step)
         self._thread = threading.Thread(target=self._run, name="lowdiff-diff-writer", daemon=True)
         self._thread.start()
 
     def put(self, record) -> None:
-        self._errors.check()
+        """Queue ``record`` (blocks while too many steps are not yet durable). Never raises a
+        background error: the caller checks before it changes state (``check``)."""
         with self._room:
             while self._pending_steps >= self.max_pending_batches * self.controller.batch_steps:
                 self._room.wait()
@@ -61,6 +73,10 @@ class DiffWriter:
         done = threading.Event()
         self._queue.put(done)
         return done
+
+    def check(self) -> None:
+        """Raise the background error, if any (every call)."""
+        self._errors.check()
 
     def flush(self) -> None:
         self.seal().wait()
@@ -101,7 +117,7 @@ class DiffWriter:
                 started = time.perf_counter()
                 first, last = pending[0][0], pending[-1][0]
                 path = self.store.batch_path(first, last)
-                nbytes = write_batch(path, self.store.session, pending, engine=self._engine)
+                nbytes = write_batch(path, self.store.session, pending, run=self.store.run, engine=self._engine)
                 faults.point("batch-commit")
                 self.store.commit_batch(first, last, path, nbytes)
                 self.controller.batch_written(len(pending), time.perf_counter() - started)
@@ -192,7 +208,7 @@ class FullWriter:
         self.background_copy = background_copy
         self._snapshot = Snapshot()
         self._worker = _Worker("lowdiff-full-writer")
-        self._errors = _ErrorSlot()
+        self._errors = _ErrorSlot(store.durable_step)
         self._pending_copy: _BackgroundCopy | None = None
         self._stall_s = 0.0
 
@@ -200,7 +216,9 @@ class FullWriter:
         """Stage ``state`` and persist it in the background; the copy into staging happens here
         (blocking) or, with ``background_copy``, on the persist thread. Waits first for the
         previous persist (its staging memory is reused)."""
-        self.wait()
+        self._quiesce()
+        if self._errors.error is not None:
+            return  # checkpointing has stopped (see check)
         started = time.perf_counter()
         self._snapshot.stage(step, state, meta)
         background = self.background_copy and not base and self._snapshot.copyable_in_background()
@@ -241,10 +259,15 @@ class FullWriter:
                 self._snapshot.prepare(payload_bytes)
             except BaseException as exc:
                 self._errors.error = exc
-        self.wait()
-        self._worker.submit(run)
+        self._quiesce()
+        if self._errors.error is None:
+            self._worker.submit(run)
 
     def _persist(self, step: int, base: bool, pending: _BackgroundCopy | None) -> None:
+        if self._errors.error is not None:
+            if pending is not None:
+                pending.copied.set()
+            return
         try:
             started = time.perf_counter()
             if pending is not None:
@@ -253,7 +276,7 @@ class FullWriter:
                 finally:
                     pending.copied.set()
             path = self.store.full_path(step)
-            nbytes = self._snapshot.persist(path, self.store.session, engine=self._engine,
+            nbytes = self._snapshot.persist(path, self.store.session, run=self.store.run, engine=self._engine,
                                             before_commit=pending.may_commit if pending is not None else None)
             if nbytes is None:
                 return  # discarded: the training thread saw the state change during the copy
@@ -266,10 +289,18 @@ class FullWriter:
     def busy(self) -> bool:
         return self._worker.busy()
 
-    def wait(self) -> None:
+    def _quiesce(self) -> None:
         """Training thread: release any background copy, then wait for the persist to end."""
         self.release()
         self._worker.wait()
+
+    def wait(self) -> None:
+        """``_quiesce``, then raise a background error."""
+        self._quiesce()
+        self._errors.check()
+
+    def check(self) -> None:
+        """Raise the background error, if any (every call)."""
         self._errors.check()
 
     def close(self) -> None:

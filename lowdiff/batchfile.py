@@ -12,7 +12,7 @@ from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, record_length
 log = logging.getLogger("lowdiff")
 
 
-def write_batch(path: str, session: str, records: list, *, engine=None) -> int:
+def write_batch(path: str, session: str, records: list, *, run: str | None = None, engine=None) -> int:
     """Write ``records`` ([(step, [buffers])], consecutive steps) to ``path`` and commit it
     atomically (fastio.Writer). Returns the file's size in bytes."""
     entries = []
@@ -25,7 +25,7 @@ def write_batch(path: str, session: str, records: list, *, engine=None) -> int:
             entries.append([step, offset, writer.size - offset])
         faults.point("batch-write")
         index = container.encode_index({
-            "version": container.FORMAT_VERSION, "kind": "diff", "session": session,
+            "version": container.FORMAT_VERSION, "kind": "diff", "session": session, "run": run,
             "first": records[0][0], "last": records[-1][0], "records": entries})
         index_offset = writer.write(index)
         writer.write(container.trailer_bytes(index_offset, index, container.KIND_DIFF))
@@ -44,12 +44,15 @@ class BatchReader:
             self.index = container.read_index(path, self._reader.read, self._reader.size, container.KIND_DIFF)
             self.entries = [tuple(e) for e in self.index["records"]]
         except CorruptCheckpointError as exc:
-            if isinstance(exc, (container.ForeignFileError, container.VersionMismatchError)):
+            if isinstance(exc, container.ForeignFileError):
                 self._reader.close()
                 raise
             self.index_error = exc
             self.index = None
             self.entries = self._scan()
+        except BaseException:  # VersionMismatchError and I/O errors: nothing to salvage here
+            self._reader.close()
+            raise
 
     def _scan(self) -> list:
         entries = []
@@ -64,6 +67,11 @@ class BatchReader:
             entries.append((step, offset, nbytes))
             offset += nbytes
         return entries
+
+    @property
+    def size(self) -> int:
+        """The file's length in bytes."""
+        return self._reader.size
 
     @property
     def steps(self) -> list[int]:

@@ -10,9 +10,11 @@ import sys
 import tempfile
 
 from .batchfile import BatchReader
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, VersionMismatchError
 from .fullckpt import load_full, read_full_index
-from .manifest import MANIFEST_NAME, load_manifest, plan_chain, read_manifest
+from .inventory import check_entry, take_inventory
+from .manifest import MANIFEST_NAME, FullEntry, plan_chain, read_manifest
+from .store import lock_holder
 
 
 def _human(nbytes: int) -> str:
@@ -23,18 +25,43 @@ def _human(nbytes: int) -> str:
     return str(nbytes)
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _checkpoint_directory(directory: str) -> str:
+    if not os.path.exists(directory):
+        raise FileNotFoundError(f"{directory} does not exist")
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(f"{directory} is a file, not a checkpoint directory")
+    return directory
+
+
+def _note_live_trainer(directory: str) -> None:
+    holder = lock_holder(directory)
+    if holder is not None:
+        print(f"note: a trainer (pid {holder}) is writing {directory}; what it commits or retires while "
+              f"this runs may differ from the listing")
+
+
 def cmd_inspect(args) -> int:
-    manifest = load_manifest(args.directory, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
-    print(f"directory      {os.path.abspath(args.directory)}")
+    directory = _checkpoint_directory(args.directory)
+    inventory = take_inventory(directory, skip_other_versions=True)
+    for note in inventory.notes:
+        _warn(note)
+    manifest = inventory.manifest
+    print(f"directory      {os.path.abspath(directory)}")
+    _note_live_trainer(directory)
+    print(f"run            {manifest.run or 'unknown'}")
     print(f"durable step   {max(manifest.durable_step(), 0)}")
     print(f"full checkpoints ({len(manifest.fulls)}):")
     for full in sorted(manifest.fulls, key=lambda f: f.step):
         chain = plan_chain(manifest, full.step)
         end = chain[-1].last if chain else full.step
         try:
-            index = read_full_index(os.path.join(args.directory, full.file))
+            index = read_full_index(os.path.join(directory, full.file))
             tensors = len(index["tensors"])
-        except (CorruptCheckpointError, OSError) as exc:
+        except (CheckpointError, OSError, EOFError) as exc:
             tensors = f"unreadable: {exc}"
         print(f"  step {full.step:>8}  {_human(full.nbytes):>10}  tensors {tensors}  {full.file}  "
               f"chain -> step {end} ({len(chain)} batches)")
@@ -44,45 +71,73 @@ def cmd_inspect(args) -> int:
           f"{f', {_human(total // steps)}/step' if steps else ''}):")
     for batch in manifest.batches:
         print(f"  steps {batch.first:>8}-{batch.last:<8} {_human(batch.nbytes):>10}  {batch.file}")
+    for name, why, _ in inventory.ignored:
+        print(f"  not used: {name}: {why}")
     return 0
 
 
+def _verify_full(path: str, entry, run) -> None:
+    index, _ = load_full(path)
+    check_entry(path, entry, index, os.path.getsize(path), run)
+
+
+def _verify_batch(path: str, entry, run) -> None:
+    with BatchReader(path) as reader:
+        if reader.index_error:
+            raise reader.index_error
+        check_entry(path, entry, reader.index, reader.size, run)
+        for position in range(len(reader.entries)):
+            reader.read_record(position)
+        if reader.steps != list(range(entry.first, entry.last + 1)):
+            raise CorruptCheckpointError(path, f"holds steps {reader.steps[:1]}..{reader.steps[-1:]}, "
+                                               f"the manifest says {entry.first}..{entry.last}")
+
+
 def cmd_verify(args) -> int:
-    """Read every listed file completely and check every checksum."""
-    try:  # resume can rebuild a damaged manifest from the files, but verify must still report it
-        read_manifest(args.directory)
-        manifest_problem = 0
-    except CorruptCheckpointError as exc:
-        manifest_problem = 1
-        print(f"CORRUPT  {exc}")
-    manifest = load_manifest(args.directory, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    """Read every listed file completely and check every checksum and that each file is what the
+    manifest says it is. Exit 1 if anything does not verify or there is nothing to verify."""
+    directory = _checkpoint_directory(args.directory)
+    _note_live_trainer(directory)
     problems = 0
-    for full in manifest.fulls:
-        path = os.path.join(args.directory, full.file)
+    try:  # resume can rebuild a damaged manifest from the files, but verify must still report it
+        if read_manifest(directory) is None:
+            problems += 1
+            print(f"MISSING  {os.path.join(directory, MANIFEST_NAME)}")
+    except CorruptCheckpointError as exc:
+        problems += 1
+        print(f"CORRUPT  {exc}")
+    inventory = take_inventory(directory, skip_other_versions=True)
+    for note in inventory.notes:
+        _warn(note)
+    manifest = inventory.manifest
+    checked = 0
+    for entry in manifest.fulls + manifest.batches:
+        path = os.path.join(directory, entry.file)
+        check = _verify_full if isinstance(entry, FullEntry) else _verify_batch
         try:
-            load_full(path)
-            print(f"ok       {full.file}")
+            check(path, entry, manifest.run)
+            checked += 1
+            print(f"ok       {entry.file}" + ("  (adopted: not listed in the manifest)" if entry.file in inventory.adopted else ""))
+        except FileNotFoundError as exc:
+            if entry.file not in take_inventory(directory, skip_other_versions=True).manifest.files():
+                print(f"gone     {entry.file} (retired by the trainer writing this directory)")
+                continue
+            problems += 1
+            print(f"CORRUPT  {path}: missing ({exc.strerror})")
+        except VersionMismatchError as exc:
+            problems += 1
+            print(f"VERSION  {exc}")
         except (CorruptCheckpointError, OSError, EOFError) as exc:
             problems += 1
             print(f"CORRUPT  {exc}")
-    for batch in manifest.batches:
-        path = os.path.join(args.directory, batch.file)
-        try:
-            with BatchReader(path) as reader:
-                if reader.index_error:
-                    raise reader.index_error
-                for position in range(len(reader.entries)):
-                    reader.read_record(position)
-                if reader.steps != list(range(batch.first, batch.last + 1)):
-                    raise CorruptCheckpointError(path, f"holds steps {reader.steps[:1]}..{reader.steps[-1:]}, "
-                                                       f"the manifest says {batch.first}..{batch.last}")
-            print(f"ok       {batch.file}")
-        except (CorruptCheckpointError, OSError, EOFError) as exc:
-            problems += 1
-            print(f"CORRUPT  {exc}")
-    print(f"{len(manifest.fulls) + len(manifest.batches) - problems} files verify, {problems} do not"
-          + (f"; {MANIFEST_NAME} does not verify" if manifest_problem else ""))
-    return 1 if problems or manifest_problem else 0
+    for name, why, label in inventory.ignored:
+        problems += 1
+        print(f"{label:<8} {os.path.join(directory, name)}: not used: {why}")
+    if not manifest.files() and not inventory.ignored:
+        print(f"error: {directory} holds no lowdiff checkpoint")
+        return 1
+    print(f"{checked} files verify, {problems} do not" + (" (see above)" if problems else ""))
+    return 1 if problems else 0
 
 
 def cmd_export(args) -> int:

@@ -50,6 +50,17 @@ def check_preamble(path: str, data: bytes, kind: int) -> None:
                                            f"expected a {KIND_NAMES[kind]}")
 
 
+def check_version(path: str) -> None:
+    """Raise VersionMismatchError if ``path`` is a lowdiff file of another format version (reads
+    only its preamble; anything else wrong is left to the full check)."""
+    with open(path, "rb") as f:
+        data = f.read(PREAMBLE.size)
+    if len(data) == PREAMBLE.size:
+        magic, version, _ = PREAMBLE.unpack(data)
+        if magic == MAGIC and version != FORMAT_VERSION:
+            raise VersionMismatchError(path, f"format version {version}, this lowdiff reads version {FORMAT_VERSION}")
+
+
 def read_index(path: str, read, file_bytes: int, kind: int) -> dict:
     """Check preamble and trailer and return the parsed index. ``read(offset, n) -> bytes``."""
     check_preamble(path, read(0, min(PREAMBLE.size, file_bytes)), kind)

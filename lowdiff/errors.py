@@ -5,9 +5,8 @@ class CheckpointError(Exception):
     """Base class of lowdiff's checkpoint errors."""
 
 
-class CorruptCheckpointError(CheckpointError):
-    """A file is truncated, fails a checksum or has an impossible layout. The message names the
-    file and what is wrong."""
+class CheckpointFileError(CheckpointError):
+    """Something is wrong with one file; the message names the file and what is wrong."""
 
     def __init__(self, path: str, problem: str):
         super().__init__(f"{path}: {problem}")
@@ -15,12 +14,23 @@ class CorruptCheckpointError(CheckpointError):
         self.problem = problem
 
 
+class CorruptCheckpointError(CheckpointFileError):
+    """A file is truncated, fails a checksum, has an impossible layout or is not what the manifest
+    says it is. Resume skips it and falls back to the newest state that verifies."""
+
+
 class ForeignFileError(CorruptCheckpointError):
-    """The file is not a lowdiff file (wrong magic bytes)."""
+    """The file is not a lowdiff file (wrong magic bytes), or not one of this directory's run."""
 
 
-class VersionMismatchError(CorruptCheckpointError):
-    """The file was written by a format version this lowdiff cannot read."""
+class VersionMismatchError(CheckpointFileError):
+    """The file was written by a format version this lowdiff cannot read. Not damage: it is never
+    skipped silently and never deleted (a newer lowdiff may have written it)."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint does not fit the objects it is loaded into (another optimizer class, other
+    parameters or shapes, another compressor kind). Raised before anything is changed."""
 
 
 class CheckpointLockedError(CheckpointError):
@@ -29,3 +39,8 @@ class CheckpointLockedError(CheckpointError):
 
 class NoCheckpointError(CheckpointError):
     """Nothing that verifies was found where a checkpoint was required."""
+
+
+class DirectoryBusyError(CheckpointError):
+    """A reader could not see one consistent committed state: a live trainer kept replacing the
+    manifest while it read. Retrying later (or stopping the trainer) helps."""

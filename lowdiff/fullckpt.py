@@ -156,7 +156,8 @@ class Snapshot:
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
             self.spare = fastio.aligned_buffer(payload_bytes, populate=True)
 
-    def persist(self, path: str, session: str, *, engine=None, before_commit=None) -> int | None:
+    def persist(self, path: str, session: str, *, run: str | None = None, engine=None,
+                before_commit=None) -> int | None:
         """Write the snapshot to ``path`` and commit it. Returns the file size in bytes.
 
         ``before_commit()`` is asked last, with everything written: if it returns False the file
@@ -178,7 +179,7 @@ class Snapshot:
             faults.point("full-write")
             objects_offset = writer.write(objects)
             index = container.encode_index({
-                "version": container.FORMAT_VERSION, "kind": "full", "step": self.step, "session": session,
+                "version": container.FORMAT_VERSION, "kind": "full", "step": self.step, "session": session, "run": run,
                 "tensors": tensors, "payload_bytes": self.payload_bytes,
                 "objects": {"offset": objects_offset, "nbytes": len(objects), "crc32c": fastio.crc32c(objects)},
                 **self.meta})

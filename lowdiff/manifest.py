@@ -1,8 +1,10 @@
-"""The manifest: the list of committed full checkpoints and differential batches of a directory.
+"""The manifest: the list of committed full checkpoints and differential batches of a directory,
+the run they belong to, and the files its commit retired (the only files a trainer may delete).
 
 Committing (``write_manifest``): temp file, fsync, ``os.replace``, directory fsync. A file is
 part of the checkpoint only once the manifest lists it. If the manifest itself is lost or damaged,
-``scan_directory`` rebuilds the list from the files, which are self-describing.
+``scan_directory`` rebuilds the list from the files, which are self-describing (lowdiff.inventory
+reconciles the manifest with the directory).
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import os
 import re
 import zlib
 
-from .errors import CorruptCheckpointError, VersionMismatchError
+from . import faults
+from .errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_VERSION = 1
@@ -45,32 +48,60 @@ class BatchEntry:
     session: str
 
 
+@dataclasses.dataclass(frozen=True)
+class RetiredEntry:
+    """A file the commit of this manifest stopped listing: the next trainer may delete it."""
+    file: str
+    nbytes: int
+
+
 @dataclasses.dataclass
 class Manifest:
     fulls: list = dataclasses.field(default_factory=list)     # FullEntry, in commit order
     batches: list = dataclasses.field(default_factory=list)   # BatchEntry, in commit order
+    run: str | None = None                                    # the directory's run id (None: unknown)
+    retired: list = dataclasses.field(default_factory=list)   # RetiredEntry
     # True when rebuilt by scanning files (the committed manifest was missing or damaged).
     rebuilt: bool = dataclasses.field(default=False, compare=False)
 
     def to_json(self) -> bytes:
         body = {"version": MANIFEST_VERSION,
                 "fulls": [dataclasses.asdict(e) for e in self.fulls],
-                "batches": [dataclasses.asdict(e) for e in self.batches]}
+                "batches": [dataclasses.asdict(e) for e in self.batches],
+                "retired": [dataclasses.asdict(e) for e in self.retired]}
+        if self.run is not None:
+            body["run"] = self.run
         text = json.dumps(body, indent=1, sort_keys=True)
         return json.dumps({"crc32": zlib.crc32(text.encode()), "manifest": body}, indent=1, sort_keys=True).encode()
+
+    def files(self) -> set:
+        """Names of the files listed."""
+        return {f.file for f in self.fulls} | {b.file for b in self.batches}
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> "Manifest":
         try:
             outer = json.loads(data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
+        if not isinstance(outer, dict) or not ({"crc32", "manifest"} & set(outer)):
+            # Valid JSON that is not ours at all (damage cannot turn both keys into others): another
+            # tool's file. Never rebuilt over, never overwritten.
+            raise ForeignFileError(path, "is not a lowdiff manifest (valid JSON without 'crc32' or 'manifest'); "
+                                         "refusing to use or overwrite it — is this the right directory?")
+        try:
             body = outer["manifest"]
             text = json.dumps(body, indent=1, sort_keys=True)
             if zlib.crc32(text.encode()) != outer["crc32"]:
                 raise CorruptCheckpointError(path, "manifest checksum mismatch")
             if body.get("version") != MANIFEST_VERSION:
-                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, expected {MANIFEST_VERSION}")
-            return cls([FullEntry(**e) for e in body["fulls"]], [BatchEntry(**e) for e in body["batches"]])
-        except CorruptCheckpointError:
+                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, this lowdiff reads version {MANIFEST_VERSION}")
+            run = body.get("run")
+            if run is not None and not isinstance(run, str):
+                raise TypeError(f"run is {run!r}")
+            return cls([FullEntry(**e) for e in body["fulls"]], [BatchEntry(**e) for e in body["batches"]],
+                       run, [RetiredEntry(**e) for e in body.get("retired", [])])
+        except (CorruptCheckpointError, VersionMismatchError):
             raise
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
@@ -78,6 +109,20 @@ class Manifest:
     def durable_step(self) -> int:
         """The newest step reachable from some full checkpoint through contiguous batches (-1 if none)."""
         return max((chain_end(self, full.step, plan_chain(self, full.step)) for full in self.fulls), default=-1)
+
+    def retained_ranges(self) -> list:
+        """[(first, last)] step ranges some full checkpoint reaches through its chain, merged."""
+        spans = sorted((f.step, chain_end(self, f.step, plan_chain(self, f.step))) for f in self.fulls)
+        merged: list = []
+        for first, last in spans:
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+            else:
+                merged.append((first, last))
+        return merged
+
+    def retains(self, step: int) -> bool:
+        return any(first <= step <= last for first, last in self.retained_ranges())
 
 
 def plan_chain(manifest: Manifest, base_step: int) -> list:
@@ -94,6 +139,16 @@ def plan_chain(manifest: Manifest, base_step: int) -> list:
 
 def chain_end(manifest: Manifest, base_step: int, chain: list) -> int:
     return chain[-1].last if chain else base_step
+
+
+def describe_retained(manifest: Manifest) -> str:
+    """The steps a directory can still be restored to, for error messages."""
+    ranges = manifest.retained_ranges()
+    if not ranges:
+        return "it retains no step (no full checkpoint is listed)"
+    steps = ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in ranges)
+    fulls = ", ".join(str(f.step) for f in sorted(manifest.fulls, key=lambda f: f.step))
+    return f"retained steps: {steps} (full checkpoints at steps {fulls})"
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:
@@ -113,6 +168,7 @@ def write_manifest(directory: str, manifest: Manifest) -> None:
         os.unlink(tmp)
         raise
     os.close(fd)
+    faults.point("manifest-write")
     os.replace(tmp, path)
     fsync_directory(directory)
 
@@ -126,46 +182,3 @@ def read_manifest(directory: str) -> Manifest | None:
     except FileNotFoundError:
         return None
     return Manifest.from_json(data, path)
-
-
-def scan_directory(directory: str) -> Manifest:
-    """Rebuild a manifest from the checkpoint files present (used when the manifest is damaged).
-    Files whose index does not verify are left out; batches keep step order, fulls step order."""
-    from .batchfile import BatchReader
-    from .fullckpt import read_full_index
-
-    manifest = Manifest()
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if m := FULL_RE.match(name):
-            try:
-                index = read_full_index(path)
-            except (CorruptCheckpointError, OSError, EOFError):
-                continue
-            manifest.fulls.append(FullEntry(index["step"], name, os.path.getsize(path), m.group(2)))
-        elif m := DIFF_RE.match(name):
-            try:
-                with BatchReader(path) as reader:
-                    steps = reader.steps
-            except (CorruptCheckpointError, OSError, EOFError):
-                continue
-            if steps:
-                manifest.batches.append(BatchEntry(steps[0], steps[-1], name, os.path.getsize(path), m.group(3)))
-    manifest.fulls.sort(key=lambda e: e.step)
-    return manifest
-
-
-def load_manifest(directory: str, warn=None) -> Manifest:
-    """The manifest, or one rebuilt by scanning when it is missing or damaged (reported via ``warn``)."""
-    try:
-        manifest = read_manifest(directory)
-    except CorruptCheckpointError as exc:
-        if warn:
-            warn(f"{exc}; rebuilding the list of checkpoints from the files in {directory}")
-        return dataclasses.replace(scan_directory(directory), rebuilt=True)
-    if manifest is None:
-        manifest = dataclasses.replace(scan_directory(directory), rebuilt=True)
-        if (manifest.fulls or manifest.batches) and warn:
-            warn(f"{os.path.join(directory, MANIFEST_NAME)} is missing; rebuilt it from the files")
-    return manifest
-

@@ -184,7 +184,10 @@ def decode_record(data, path: str, offset: int, expected_step: int | None = None
     if magic != RECORD_MAGIC:
         raise CorruptCheckpointError(path, f"{where} has bad magic {bytes(magic)!r}")
     if version != container.FORMAT_VERSION:
-        raise CorruptCheckpointError(path, f"{where} has format version {version}")
+        # The file's version was checked by its preamble and index; a record that disagrees with
+        # its own file (its header is outside the CRC) is damage, not a newer format.
+        raise CorruptCheckpointError(path, f"{where} says format version {version} inside a version "
+                                           f"{container.FORMAT_VERSION} file")
     if flags:  # none are defined yet: a record that sets one needs a newer reader
         raise CorruptCheckpointError(path, f"{where} sets unknown flags 0x{flags:04x}")
     end = RECORD_HEADER.size + packed_len + raw_len

@@ -1,8 +1,11 @@
 """CheckpointStore: owns a checkpoint directory while a trainer writes it.
 
 It holds the directory lock, is the only writer of the manifest, and applies retention. Every
-manifest change is committed before any file it stops listing is deleted, so a crash at any point
-leaves a manifest that lists only complete files and keeps everything the newest state needs.
+manifest change is committed before any file it stops listing is deleted, and names those files
+in its ``retired`` list: a crash at any point leaves a manifest that lists only complete files,
+keeps everything the newest state needs, and says which leftovers may go. Nothing else is ever
+deleted (docs/format.md, "What may be deleted"): files the manifest does not explain are adopted
+when they verify and belong to this run, and left alone otherwise.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ import os
 import secrets
 import threading
 
+from . import faults
 from .errors import CheckpointLockedError
-from .manifest import (DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest, diff_name,
-                       full_name, load_manifest, write_manifest)
+from .inventory import take_inventory
+from .manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, diff_name, full_name, write_manifest
 
 log = logging.getLogger("lowdiff")
 LOCK_NAME = "LOCK"
@@ -26,15 +30,31 @@ class CheckpointStore:
         if keep_full < 1:
             raise ValueError(f"keep_full={keep_full} must be >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(f"{self.directory} is a file, not a checkpoint directory")
         os.makedirs(self.directory, exist_ok=True)
         self.keep_full = keep_full
         self.session = secrets.token_hex(4)
         self._lock_fd = self._acquire_lock()
         self._mutex = threading.Lock()
-        self.manifest = load_manifest(self.directory, warn=log.warning)
-        if self.manifest.rebuilt and (self.manifest.fulls or self.manifest.batches):
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        """Reconcile the manifest with the files, delete what the committed manifest retired and
+        temporary files of dead writers, and commit the view if it differs."""
+        inventory = take_inventory(self.directory)
+        for note in inventory.notes:
+            log.warning("lowdiff: %s", note)
+        self.run = inventory.manifest.run or secrets.token_hex(8)
+        for name in inventory.retired_present + inventory.dead_temps:
+            _unlink(os.path.join(self.directory, name))
+        self.manifest = dataclasses.replace(inventory.manifest, run=self.run, retired=[])
+        if inventory.changed and self.manifest.files():
             write_manifest(self.directory, self.manifest)
-        self._remove_strays(delete_unlisted=not self.manifest.rebuilt)
 
     # ------------------------------------------------------------------ lock
     def _acquire_lock(self) -> int:
@@ -55,6 +75,7 @@ class CheckpointStore:
     def close(self) -> None:
         """Release the lock. Idempotent."""
         if self._lock_fd >= 0:
+            os.ftruncate(self._lock_fd, 0)  # no live holder any more (see lock_holder)
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -87,11 +108,11 @@ class CheckpointStore:
         that was abandoned when training resumed at ``step``; they are dropped."""
         with self._mutex:
             entry = FullEntry(step, os.path.basename(path), nbytes, self.session)
-            manifest = Manifest(self.manifest.fulls + [entry], list(self.manifest.batches))
+            manifest = dataclasses.replace(self.manifest, fulls=self.manifest.fulls + [entry])
             if base:
-                manifest = Manifest(
-                    [f for f in manifest.fulls if f.session == self.session or f.step <= step],
-                    [b for b in manifest.batches if b.session == self.session or b.last <= step])
+                manifest = dataclasses.replace(
+                    manifest, fulls=[f for f in manifest.fulls if f.session == self.session or f.step <= step],
+                    batches=[b for b in manifest.batches if b.session == self.session or b.last <= step])
             self._commit(self._retain(manifest))
 
     def _retain(self, manifest: Manifest) -> Manifest:
@@ -100,29 +121,22 @@ class CheckpointStore:
         if not kept:
             return manifest
         oldest = kept[0].step
-        return Manifest([f for f in manifest.fulls if f in kept],
-                        [b for b in manifest.batches if b.last > oldest])
+        return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f in kept],
+                                   batches=[b for b in manifest.batches if b.last > oldest])
 
     def _commit(self, manifest: Manifest) -> None:
-        old = self.manifest
+        """Commit ``manifest``; then delete the files it stopped listing, which it names as retired
+        (so a crash before a deletion leaves the next trainer the permission to finish it)."""
+        listed = manifest.files()
+        retired = [RetiredEntry(e.file, e.nbytes) for e in self.manifest.fulls + self.manifest.batches
+                   if e.file not in listed]
+        manifest = dataclasses.replace(manifest, run=self.run, retired=retired)
         write_manifest(self.directory, manifest)
+        faults.point("manifest-commit")
         self.manifest = manifest
-        listed = {f.file for f in manifest.fulls} | {b.file for b in manifest.batches}
-        for name in {f.file for f in old.fulls} | {b.file for b in old.batches}:
-            if name not in listed:
-                _unlink(os.path.join(self.directory, name))
-
-    def _remove_strays(self, delete_unlisted: bool) -> None:
-        """Delete temp files, and checkpoint files a trusted manifest does not list (left by a
-        crash between a manifest commit and an unlink). Safe because we hold the lock: no other
-        writer can be mid-commit. Files left out of a rebuilt manifest failed to verify; they are
-        kept for inspection."""
-        listed = {f.file for f in self.manifest.fulls} | {b.file for b in self.manifest.batches}
-        for name in os.listdir(self.directory):
-            stray_temp = name.startswith(".") and ".tmp-" in name or name.startswith(MANIFEST_NAME + ".tmp-")
-            unlisted = delete_unlisted and (FULL_RE.match(name) or DIFF_RE.match(name)) and name not in listed
-            if stray_temp or unlisted:
-                _unlink(os.path.join(self.directory, name))
+        for entry in retired:
+            _unlink(os.path.join(self.directory, entry.file))
+            faults.point("retention")
 
 
 def _unlink(path: str) -> None:
@@ -130,3 +144,23 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def lock_holder(directory: str) -> str | None:
+    """The pid of a live trainer writing ``directory``, None when there is none. Reads the pid the
+    lock holder wrote (a clean close empties it) and asks whether that process lives; it never
+    takes the lock itself, so it cannot make a starting trainer fail."""
+    try:
+        with open(os.path.join(directory, LOCK_NAME), "rb") as f:
+            text = f.read(64).decode(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        return None
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return text

@@ -141,6 +141,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     def _step(self, closure):
         if self._closed:
             raise CheckpointError("step() on a closed lowdiff optimizer")
+        # A failed background write ends checkpointing: refuse before anything changes, every time.
+        self._check_writers()
         if not self._base_taken:
             self._take_base()
         else:
@@ -157,22 +159,39 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         started = time.perf_counter()
         if not skipped:
             self.optimizer.step()
-        self.controller.step_finished(time.perf_counter() - started)
-        if self.scheduler is not None:
-            self.scheduler.step()
         self.step_count += 1
-        record = StepRecord(self.step_count, skipped, grads or [], self._boundary_objects(groups_used, skipped))
-        self._diffs.put(record)
-        faults.point("record")
-        if self._full_due or self.step_count - self._last_full_step >= self.controller.full_every:
-            self._full_due = False
-            self._take_full(base=False, boundary=record.objects)
-        elif not self._staging_prepared:
-            # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
-            self._staging_prepared = True
-            self._fulls.prepare(self._state_nbytes())
-        self._state_marks = self._training_state_marks()
+        recorded = False
+        try:
+            self.controller.step_finished(time.perf_counter() - started)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            record = StepRecord(self.step_count, skipped, grads or [], self._boundary_objects(groups_used, skipped))
+            self._diffs.put(record)
+            recorded = True
+            faults.point("record")
+            if self._full_due or self.step_count - self._last_full_step >= self.controller.full_every:
+                self._full_due = False
+                self._take_full(base=False, boundary=record.objects)
+            elif not self._staging_prepared:
+                # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
+                self._staging_prepared = True
+                self._fulls.prepare(self._state_nbytes())
+        except BaseException:
+            # The state moved past what the records hold: end the batch before the gap, and take
+            # a full checkpoint at the end of the next step so that resuming is exact from there.
+            self._full_due = True
+            if not recorded:
+                self._diffs.seal()
+            raise
+        finally:
+            # Our own failure is not the user's change outside step().
+            self._state_marks = self._training_state_marks()
         return loss
+
+    def _check_writers(self) -> None:
+        """Re-raise a background write error (sticky: until this optimizer is closed)."""
+        self._diffs.check()
+        self._fulls.check()
 
     def _training_state_marks(self) -> set | None:
         """What changes whenever the parameters or the optimizer's tensors change: each one's
@@ -332,16 +351,22 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return self.store.durable_step()
 
     def flush(self) -> None:
-        """Block until every recorded step (and any full checkpoint in progress) is durable."""
+        """Block until every recorded step (and any full checkpoint in progress) is durable.
+        Raises the error of a failed background write (every time: checkpointing has stopped)."""
         if self._closed:
+            self._check_writers()
             return
         with Busy(self):
             self._diffs.flush()
             self._fulls.wait()
+            self._check_writers()
 
     def close(self) -> None:
-        """Flush, stop the background threads, release the directory lock. Idempotent."""
+        """Flush, stop the background threads, release the directory lock. Idempotent, except
+        that a failed background write is raised by every call (the steps after
+        ``durable_step`` are not on disk)."""
         if self._closed:
+            self._check_writers()
             return
         try:
             with Busy(self):
@@ -349,6 +374,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                     self._diffs.close()
                 finally:
                     self._fulls.close()
+                self._check_writers()
         finally:
             self._closed = True
             self.store.close()

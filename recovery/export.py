@@ -6,7 +6,9 @@ import os
 
 import torch
 
-from .restore import restore
+from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+
+from .restore import checkpoint_directory, restore
 
 
 def _optimizer_class(path: str):
@@ -21,8 +23,13 @@ def export(directory, output, *, step: int | None = None) -> int:
     """Write ``{"step", "model", "optimizer", "scheduler", "extra", "rng"}`` for ``step`` (default:
     the newest durable step) to ``output`` with ``torch.save``; loadable without lowdiff. Parameters
     are rebuilt from the full checkpoint and replayed with the optimizer class recorded there."""
-    directory = os.fspath(directory)
+    directory = checkpoint_directory(directory)
     holder = {}
+
+    def check_full(path, index, state):
+        missing = [n for n in index.get("param_names", []) if n not in state["model"]]
+        if "param_names" not in index or missing:
+            raise CorruptCheckpointError(path, f"its index names optimizer parameters its model state lacks: {missing[:4]}")
 
     def apply_full(index, state):
         model_state = dict(state["model"])
@@ -35,10 +42,11 @@ def export(directory, output, *, step: int | None = None) -> int:
         optimizer.load_state_dict(saved)
         holder.update(params=params, optimizer=optimizer, model_state=model_state, names=names)
 
-    restored = restore(directory, params_for=lambda index: holder["params"],
-                       optimizer_for=lambda index: holder["optimizer"], apply_full=apply_full, stop_step=step)
+    restored = restore(directory, check_full=check_full, apply_full=apply_full,
+                       params_for=lambda index: holder["params"], optimizer_for=lambda index: holder["optimizer"],
+                       stop_step=step)
     if restored is None:
-        raise FileNotFoundError(f"{directory} holds no checkpoint")
+        raise NoCheckpointError(f"{directory} holds no checkpoint")
     model_state = holder["model_state"]
     aliases = restored.full_index.get("param_aliases", {})
     for slot, name in enumerate(holder["names"]):

@@ -3,57 +3,62 @@
 A background thread reads, checksums, decompresses and decodes the records of the chain in order
 into a bounded queue while the caller applies the previous record through the optimizer, so
 recovery overlaps I/O and decoding with the optimizer math. A record that fails to verify ends the
-replay at the step before it (the valid prefix), which the caller reports.
+replay at the step before it (the valid prefix), which the caller reports; a record of another
+format version, or any unexpected error of the reader thread, is raised in the caller.
+
+The batch files arrive already open (``BatchReader``s): a file that a live trainer's retention
+deletes meanwhile stays readable through its open descriptor.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 
 import torch
 
 from lowdiff import capture
-from lowdiff.batchfile import BatchReader
 from lowdiff.compress import decompress_into
 from lowdiff.errors import CorruptCheckpointError
 
 _END = object()
 
 
-def _read_chain(directory: str, chain: list, first_step: int, stop_step: int | None, out: queue.Queue,
+def _read_chain(chain: list, first_step: int, stop_step: int | None, out: queue.Queue,
                 cancel: threading.Event) -> None:
+    """``chain``: [(manifest entry, open BatchReader)] in step order."""
     expected = first_step
     try:
-        for entry in chain:
-            path = os.path.join(directory, entry.file)
-            with BatchReader(path) as reader:
-                if reader.index_error is not None:
-                    out.put(("warning", f"{reader.index_error}; using the {len(reader.entries)} records found by scanning"))
-                for position, step in enumerate(reader.steps):
-                    if step < expected:
-                        continue
-                    if stop_step is not None and step > stop_step or cancel.is_set():
-                        out.put(_END)
-                        return
-                    if step != expected:
-                        raise CorruptCheckpointError(path, f"holds step {step} where step {expected} was expected")
-                    out.put(("record", reader.read_record(position)))
-                    expected += 1
-                if reader.steps and reader.steps[-1] < entry.last:
-                    raise CorruptCheckpointError(path, f"ends at step {reader.steps[-1]} but the manifest says {entry.last}")
+        for entry, reader in chain:
+            if reader.index_error is not None:
+                out.put(("warning", f"{reader.index_error}; using the {len(reader.entries)} records found by scanning"))
+            for position, step in enumerate(reader.steps):
+                if step < expected:
+                    continue
+                if stop_step is not None and step > stop_step or cancel.is_set():
+                    out.put(_END)
+                    return
+                if step != expected:
+                    raise CorruptCheckpointError(reader.path, f"holds step {step} where step {expected} was expected")
+                out.put(("record", reader.read_record(position)))
+                expected += 1
+            if reader.steps and reader.steps[-1] < entry.last:
+                raise CorruptCheckpointError(reader.path, f"ends at step {reader.steps[-1]} but the manifest "
+                                                          f"says {entry.last}")
     except (CorruptCheckpointError, OSError, EOFError) as exc:
         out.put(("error", exc))
+    except BaseException as exc:  # not damage: the caller raises it
+        out.put(("fatal", exc))
     out.put(_END)
 
 
-def replay(directory: str, chain: list, base_step: int, params: list, optimizer, *, stop_step=None,
-           warn=print, prefetch_records: int = 4):
-    """Apply the records after ``base_step`` found in ``chain``. Returns (last step, its record)."""
+def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None,
+           prefetch_records: int = 4):
+    """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]).
+    Returns (last step, its record)."""
     records: queue.Queue = queue.Queue(maxsize=prefetch_records)
     cancel = threading.Event()
     reader = threading.Thread(target=_read_chain, name="lowdiff-replay-reader", daemon=True,
-                              args=(directory, chain, base_step + 1, stop_step, records, cancel))
+                              args=(chain, base_step + 1, stop_step, records, cancel))
     reader.start()
     step, last = base_step, None
     try:
@@ -64,6 +69,8 @@ def replay(directory: str, chain: list, base_step: int, params: list, optimizer,
             kind, value = item
             if kind == "warning":
                 warn(f"lowdiff: {value}")
+            elif kind == "fatal":
+                raise value
             elif kind == "error":
                 warn(f"lowdiff: {value}; resuming at step {step}, the last step that verifies")
             else:

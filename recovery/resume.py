@@ -12,7 +12,8 @@ from lowdiff.ddp import distributed_rank
 from lowdiff.errors import CheckpointError
 from lowdiff.wrapper import LowDiffOptimizer, rank_directory
 
-from .restore import restore, warn
+from .compat import check_compatible
+from .restore import checkpoint_directory, restore, warn
 
 
 def restore_grad_scaler(scaler, stored) -> None:
@@ -50,7 +51,7 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
     aggregated differentials: they are restored when the resumed step is a full checkpoint's
     step and reset to zero otherwise (with a warning).
     """
-    directory = os.fspath(directory)
+    directory = checkpoint_directory(directory)
     wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
     inner = wrapper.optimizer if wrapper else optimizer
     if wrapper is not None:
@@ -61,11 +62,11 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
     model = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
     params = [p for group in inner.param_groups for p in group["params"]]
 
+    def check_full(path, index, state):
+        check_compatible(path, index, state, model, inner, compressor=wrapper.compressor if wrapper else None,
+                         extra_state=extra_state)
+
     def apply_full(index, state):
-        names = index.get("param_names", [])
-        if len(names) != len(params):
-            raise ValueError(f"{directory}: the checkpoint has {len(names)} optimizer parameters, "
-                             f"the optimizer passed to resume has {len(params)}")
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler") is not None:
@@ -79,8 +80,8 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
         directory = rank_directory(directory, rank)
     stop_step = None
     for _ in range(3):
-        restored = restore(directory, params_for=lambda index: params, optimizer_for=lambda index: inner,
-                           apply_full=apply_full, stop_step=stop_step)
+        restored = restore(directory, check_full=check_full, apply_full=apply_full, params_for=lambda index: params,
+                           optimizer_for=lambda index: inner, stop_step=stop_step)
         if world == 1:
             break
         # All ranks must resume at the same step: the smallest any rank can reach.

@@ -324,7 +324,9 @@ def test_foreign_file_under_a_checkpoint_name(run, ckpt, rng, capsys, caplog):
     check_resume(run, ckpt, 18, caplog, warns_about=MANIFEST_NAME)
 
 
-def test_wrong_version(run, ckpt, capsys, caplog):
+def test_wrong_version(run, ckpt, capsys, caplog, tmp_path):
+    """Files a newer lowdiff wrote are never damage: resume raises VersionMismatchError naming the
+    file and both versions, nothing deletes them, and an older step can still be exported."""
     fulls, batches = files(ckpt)
     for path in (fulls[18], batches[(22, 23)]):
         with open(path, "r+b") as f:
@@ -337,21 +339,43 @@ def test_wrong_version(run, ckpt, capsys, caplog):
         BatchReader(batches[(22, 23)])
     assert info.value.path == batches[(22, 23)]
     status, lines = verify(ckpt, capsys)
-    assert status == 1 and sum(line.startswith("CORRUPT") and "version 2" in line for line in lines) == 2
-    check_resume(run, ckpt, 21, caplog, warns_about=os.path.basename(fulls[18]))
+    assert status == 1 and sum(line.startswith("VERSION") and "version 2" in line for line in lines) == 2, lines
+    before = sorted(os.listdir(ckpt))
+    with pytest.raises(lowdiff.VersionMismatchError, match=r"version 2, this lowdiff reads version 1") as info:
+        resume_fresh(ckpt)
+    assert info.value.path == fulls[18]
+    model, opt, sched, sampler = build()
+    with pytest.raises(lowdiff.VersionMismatchError):
+        wrap(ckpt, model, opt, sched, sampler)   # refused before the trainer touches anything
+    assert sorted(os.listdir(ckpt)) == before, "files of another version must never be deleted"
+    out = str(tmp_path / "older.pt")
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        assert recovery.export(ckpt, out, step=12) == 12   # an older state, explicitly asked for
+    assert torch.equal(torch.load(out, weights_only=True)["model"]["0.weight"], run.states[12]["model"]["0.weight"])
+    assert sorted(os.listdir(ckpt)) == before
 
 
 def test_manifest_of_another_version(run, ckpt, caplog):
+    """A manifest a newer lowdiff wrote is refused by every entry point and never rewritten."""
     path = os.path.join(ckpt, MANIFEST_NAME)
     outer = json.loads(open(path, "rb").read())
     outer["manifest"]["version"] = 2
     outer["crc32"] = zlib.crc32(json.dumps(outer["manifest"], indent=1, sort_keys=True).encode())
     with open(path, "w") as f:
         json.dump(outer, f)
-    with pytest.raises(lowdiff.VersionMismatchError) as info:
+    before = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt)}
+    with pytest.raises(lowdiff.VersionMismatchError, match="manifest version 2, this lowdiff reads version 1") as info:
         read_manifest(ckpt)
     assert info.value.path == path
-    check_resume(run, ckpt, STEPS, caplog, warns_about=MANIFEST_NAME)
+    with pytest.raises(lowdiff.VersionMismatchError):
+        resume_fresh(ckpt)
+    model, opt, sched, sampler = build()
+    with pytest.raises(lowdiff.VersionMismatchError):
+        wrap(ckpt, model, opt, sched, sampler)
+    assert cli.main(["verify", ckpt]) == 2
+    after = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt) if name != "LOCK"}
+    before.pop("LOCK", None)
+    assert after == before
 
 
 def test_batch_file_named_after_another_kind(ckpt):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -12,8 +14,9 @@ from hypothesis import strategies as st
 
 import lowdiff
 from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
+from lowdiff.inventory import load_view
 from lowdiff.manifest import (MANIFEST_NAME, BatchEntry, FullEntry, Manifest, chain_end, diff_name, full_name,
-                              load_manifest, plan_chain, read_manifest, write_manifest)
+                              plan_chain, read_manifest, write_manifest)
 from lowdiff.store import CheckpointStore
 
 
@@ -133,7 +136,7 @@ def test_damaged_manifest_is_rebuilt_with_a_warning(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         read_manifest(str(tmp_path))
     warnings = []
-    assert load_manifest(str(tmp_path), warn=warnings.append) == Manifest()
+    assert load_view(str(tmp_path), warn=warnings.append) == Manifest()
     assert len(warnings) == 1 and MANIFEST_NAME in warnings[0]
 
 
@@ -270,18 +273,40 @@ def test_the_directory_lock_is_exclusive(tmp_path):
     CheckpointStore(str(tmp_path)).close()  # released
 
 
-def test_stray_files_are_removed_by_the_next_store(tmp_path):
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_next_store_deletes_only_retired_files_and_temp_files_of_dead_writers(tmp_path):
     sim = Simulation(str(tmp_path), keep_full=1)
     sim.take_full()
     sim.commit_full()
     sim.commit_batch(2)
+    sim.take_full()
+    sim.commit_full()          # retires full 0 and batch 1-2
+    retired = [r.file for r in sim.store.manifest.retired]
+    assert len(retired) == 2 and read_manifest(str(tmp_path)).retired == sim.store.manifest.retired
     sim.store.close()
-    # a crash between a manifest commit and an unlink, and a torn temp file
-    stray = tmp_path / full_name(99, "cccccccc")
-    stray.write_bytes(b"x")
-    temp = tmp_path / ".diff-000000000003-000000000004-cccccccc.ldd.tmp-1-2"
-    temp.write_bytes(b"x")
-    listed = {f.file for f in sim.store.manifest.fulls} | {b.file for b in sim.store.manifest.batches}
+    # a crash between the manifest commit and the unlinks leaves the retired files behind
+    for name in retired:
+        (tmp_path / name).write_bytes(b"x")
+    dead, alive = _dead_pid(), os.getppid()
+    temps = {f".diff-000000000003-000000000004-cccccccc.ldd.tmp-{dead}-0a0b0c0d": False,
+             f"MANIFEST.json.tmp-{dead}": False,
+             f".full-000000000005-cccccccc.ldf.tmp-{alive}-0a0b0c0d": True,    # its writer may still run
+             ".notes.tmp-1-2": True, "my.tmp-data": True}                        # not names lowdiff writes
+    for name in temps:
+        (tmp_path / name).write_bytes(b"x")
+    unexplained = tmp_path / full_name(99, "cccccccc")   # unlisted, not retired: never deleted
+    unexplained.write_bytes(b"x")
+    (tmp_path / full_name(98, "dddddddd")).mkdir()        # a directory named like a checkpoint
+    listed = sim.store.manifest.files()
     CheckpointStore(str(tmp_path)).close()
-    assert not stray.exists() and not temp.exists()
-    assert listed <= set(os.listdir(tmp_path))
+    left = set(os.listdir(tmp_path))
+    assert not set(retired) & left
+    assert {name for name, keep in temps.items() if keep} <= left
+    assert not {name for name, keep in temps.items() if not keep} & left
+    assert unexplained.exists() and (tmp_path / full_name(98, "dddddddd")).is_dir()
+    assert listed <= left

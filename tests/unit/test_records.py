@@ -353,8 +353,9 @@ def test_topk_rejects_bad_ratio(bad):
 # ------------------------------------------------------------------ public names
 def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
-        "CheckpointError", "CheckpointLockedError", "CorruptCheckpointError", "Dense", "ForeignFileError",
-        "LowDiffOptimizer", "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
+        "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
+        "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
+        "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
     assert sorted(recovery.__all__) == ["export", "resume"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
@@ -366,7 +367,9 @@ def test_public_names_are_pinned():
               lowdiff.CheckpointLockedError, lowdiff.NoCheckpointError]
     assert all(issubclass(e, lowdiff.CheckpointError) for e in errors)
     assert issubclass(lowdiff.ForeignFileError, lowdiff.CorruptCheckpointError)
-    assert issubclass(lowdiff.VersionMismatchError, lowdiff.CorruptCheckpointError)
+    # A newer format is not damage: no handler of damage may swallow it (or delete the file).
+    assert not issubclass(lowdiff.VersionMismatchError, lowdiff.CorruptCheckpointError)
+    assert issubclass(lowdiff.VersionMismatchError, lowdiff.CheckpointFileError)
 
 
 def test_record_header_layout_is_pinned():

@@ -1,0 +1,268 @@
+"""Reconciling the committed manifest with the files actually in a checkpoint directory.
+
+The manifest is the source of truth for what a trainer may delete, but not for what exists: a
+manifest restored from a backup, copied from another directory, or lost, must never make lowdiff
+forget (let alone delete) valid checkpoint files. ``take_inventory`` returns the *view* every reader
+and the trainer use (docs/format.md, "What may be deleted"):
+
+- listed files that exist, as listed;
+- unlisted checkpoint files whose index verifies, whose name agrees with their index and whose run
+  is this directory's: *adopted*;
+- unlisted files that do not verify or belong to another run: left alone, unused, reported;
+- listed files that are missing: dropped from the view, reported;
+- files the committed manifest retired (the trainer may delete them) and temporary files of dead
+  writers, reported separately; only the lock holder acts on them.
+
+It also checks that a file is what its entry says it is (``check_entry``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from . import container
+from .errors import CorruptCheckpointError, DirectoryBusyError, ForeignFileError, VersionMismatchError
+from .manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest
+
+# Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND") and write_manifest ("MANIFEST.json.tmp-PID").
+TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd])\.tmp-(\d+)-[0-9a-f]+$|^MANIFEST\.json\.tmp-(\d+)$")
+_READ_ATTEMPTS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    manifest: Manifest                 # the view: what readers use and the trainer commits next
+    committed: bytes | None            # MANIFEST.json's bytes as read (None: missing)
+    adopted: tuple = ()                # names of unlisted files taken into the view
+    missing: tuple = ()                # names listed in the manifest that do not exist
+    ignored: tuple = ()                # (name, why, label) of checkpoint-named files left unused;
+                                       # label: "VERSION", "FOREIGN" (another run) or "CORRUPT"
+    retired_present: tuple = ()        # names the committed manifest retired and that still exist
+    dead_temps: tuple = ()             # temporary files whose writer process is gone
+    notes: tuple = ()                  # what to warn about, one line each
+
+    @property
+    def changed(self) -> bool:
+        """Whether the view differs from the committed manifest (the trainer then commits it)."""
+        return self.committed is None or self.manifest.rebuilt or bool(self.adopted or self.missing)
+
+
+def take_inventory(directory: str, *, skip_other_versions: bool = False) -> Inventory:
+    """The reconciled view of ``directory`` (see the module doc). Retries while a live trainer
+    replaces the manifest underneath; raises DirectoryBusyError if it never holds still.
+
+    A checkpoint file of another format version raises VersionMismatchError, unless
+    ``skip_other_versions`` (an older state was asked for explicitly): then it is left unused with
+    a note."""
+    for _ in range(_READ_ATTEMPTS):
+        before = _manifest_bytes(directory)
+        names = _regular_files(directory)
+        after = _manifest_bytes(directory)
+        if before == after:
+            return _reconcile(directory, before, names, skip_other_versions)
+    raise DirectoryBusyError(f"{directory}: the manifest changed {_READ_ATTEMPTS} times while it was read; "
+                             f"a trainer is committing checkpoints right now — try again")
+
+
+def _manifest_bytes(directory: str) -> bytes | None:
+    try:
+        with open(os.path.join(directory, MANIFEST_NAME), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _regular_files(directory: str) -> dict:
+    """{name: size} of the regular files (directories and the like are never ours)."""
+    out = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                if entry.is_file():
+                    out[entry.name] = entry.stat().st_size
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versions: bool) -> Inventory:
+    notes: list = []
+    committed = None
+    if data is not None:
+        path = os.path.join(directory, MANIFEST_NAME)
+        try:
+            committed = Manifest.from_json(data, path)
+        except ForeignFileError:
+            raise
+        except CorruptCheckpointError as exc:
+            notes.append(f"{exc}; rebuilding the list of checkpoints from the files in {directory}")
+    checkpoint_names = [n for n in sizes if FULL_RE.match(n) or DIFF_RE.match(n)]
+    dead_temps = tuple(n for n in sizes if _is_dead_temp(n))
+    if committed is not None and checkpoint_names and not (committed.files() & set(checkpoint_names)) \
+            and committed.files():
+        notes.append(f"{os.path.join(directory, MANIFEST_NAME)} lists none of the {len(checkpoint_names)} "
+                     f"checkpoint files in {directory} (a manifest of another directory?); rebuilt the list from the files")
+        committed = None
+    if committed is None:
+        if data is None and checkpoint_names:
+            notes.append(f"{os.path.join(directory, MANIFEST_NAME)} is missing; rebuilt it from the files")
+        run = _newest_run(directory, [n for n in checkpoint_names if FULL_RE.match(n)])
+        view, adopted, ignored = _adopt(directory, Manifest(run=run), checkpoint_names, sizes, skip_other_versions)
+        view = dataclasses.replace(view, rebuilt=True)
+        notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
+        return Inventory(view, data, (), (), tuple(ignored), (), dead_temps, tuple(notes))
+    retired_present = tuple(r.file for r in committed.retired
+                            if r.file not in committed.files() and sizes.get(r.file) == r.nbytes)
+    listed = committed.files()
+    missing = sorted(name for name in listed if name not in sizes)
+    for name in missing:
+        notes.append(f"{os.path.join(directory, name)} is listed in {MANIFEST_NAME} but missing")
+    view = dataclasses.replace(committed, fulls=[f for f in committed.fulls if f.file in sizes],
+                               batches=[b for b in committed.batches if b.file in sizes], retired=[])
+    view, skipped = _without_other_versions(directory, view, skip_other_versions)
+    unlisted = [n for n in checkpoint_names if n not in listed and n not in retired_present]
+    view, adopted, ignored = _adopt(directory, view, unlisted, sizes, skip_other_versions)
+    if adopted:
+        notes.append(f"{directory}: {len(adopted)} checkpoint files that {MANIFEST_NAME} does not list verify "
+                     f"and belong to this run (the manifest is older than the files?); using them: "
+                     + ", ".join(adopted[:4]) + (" ..." if len(adopted) > 4 else ""))
+    ignored += skipped
+    notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
+    if view.run is None:  # a manifest written before runs existed
+        view = dataclasses.replace(view, run=_newest_run(directory, [f.file for f in view.fulls]))
+    return Inventory(view, data, tuple(adopted), tuple(missing), tuple(ignored), retired_present, dead_temps,
+                     tuple(notes))
+
+
+def _without_other_versions(directory: str, view: Manifest, skip: bool):
+    """``view`` without listed files of another format version (reads each preamble): raises
+    VersionMismatchError for the first, unless ``skip``. Such files are then never touched."""
+    skipped = []
+    for name in sorted(view.files(), key=_step_order):
+        try:
+            container.check_version(os.path.join(directory, name))
+        except VersionMismatchError as exc:
+            if not skip:
+                raise
+            skipped.append((name, exc.problem, "VERSION"))
+        except OSError:
+            pass  # missing or unreadable: the full check reports it
+    names = {name for name, *_ in skipped}
+    return dataclasses.replace(view, fulls=[f for f in view.fulls if f.file not in names],
+                               batches=[b for b in view.batches if b.file not in names]), skipped
+
+
+def _adopt(directory: str, view: Manifest, names: list, sizes: dict, skip_other_versions: bool):
+    """Add the files ``names`` that verify and belong to ``view.run`` to ``view``."""
+    fulls, batches, adopted, ignored = list(view.fulls), list(view.batches), [], []
+    for name in sorted(names, key=_step_order):
+        path = os.path.join(directory, name)
+        try:
+            entry, run = _describe(path, name, sizes[name])
+        except VersionMismatchError as exc:
+            if not skip_other_versions:
+                raise
+            ignored.append((name, exc.problem, "VERSION"))
+            continue
+        except (CorruptCheckpointError, OSError, EOFError) as exc:
+            ignored.append((name, getattr(exc, "problem", None) or str(exc), "CORRUPT"))
+            continue
+        if entry is None:
+            ignored.append((name, "it holds no complete record", "CORRUPT"))
+        elif view.run is not None and run is not None and run != view.run:
+            ignored.append((name, f"it belongs to run {run}, this directory is run {view.run}", "FOREIGN"))
+        else:
+            (fulls if isinstance(entry, FullEntry) else batches).append(entry)
+            adopted.append(name)
+    fulls.sort(key=lambda f: f.step)
+    return dataclasses.replace(view, fulls=fulls, batches=batches), adopted, ignored
+
+
+def _step_order(name: str):
+    m = FULL_RE.match(name) or DIFF_RE.match(name)
+    return int(m.group(1)), name
+
+
+def _describe(path: str, name: str, nbytes: int):
+    """(entry, run) for a checkpoint file from its own index; raises when it does not verify or
+    its name disagrees with its index. A batch whose index is damaged is described by the records
+    its scan finds (the valid prefix of a torn file); entry is None when there are none."""
+    from .batchfile import BatchReader
+    from .fullckpt import read_full_index
+
+    if m := FULL_RE.match(name):
+        index = read_full_index(path)
+        entry = FullEntry(index["step"], name, nbytes, m.group(2))
+        check_entry(path, entry, index, nbytes, None)
+        return entry, index.get("run")
+    m = DIFF_RE.match(name)
+    with BatchReader(path) as reader:
+        steps, index = reader.steps, reader.index
+    if not steps:
+        return None, None
+    entry = BatchEntry(steps[0], steps[-1], name, nbytes, m.group(3))
+    if index is not None:
+        check_entry(path, entry, index, nbytes, None)
+    elif steps[0] != int(m.group(1)):
+        raise CorruptCheckpointError(path, f"its first record is step {steps[0]}, its name says {int(m.group(1))}")
+    return entry, None if index is None else index.get("run")
+
+
+def check_entry(path: str, entry, index: dict | None, nbytes: int, run: str | None) -> None:
+    """Raise CorruptCheckpointError unless the file at ``path`` (``nbytes`` long, its parsed
+    ``index``, None when unreadable) is what ``entry`` says: size, kind, steps, session and run."""
+    problems = []
+    if nbytes != entry.nbytes:
+        problems.append(f"it is {nbytes} bytes, the manifest says {entry.nbytes}")
+    if index is not None:
+        full = isinstance(entry, FullEntry)
+        wanted = {"kind": "full" if full else "diff", "session": entry.session,
+                  **({"step": entry.step} if full else {"first": entry.first, "last": entry.last})}
+        if run is not None and index.get("run") is not None:
+            wanted["run"] = run
+        for key, value in wanted.items():
+            if index.get(key) != value:
+                problems.append(f"its {key} is {index.get(key)!r}, the manifest says {value!r}")
+    if problems:
+        raise CorruptCheckpointError(path, "is not the file the manifest lists (replaced or damaged): "
+                                           + "; ".join(problems))
+
+
+def _newest_run(directory: str, full_names: list) -> str | None:
+    """The run of the newest full checkpoint among ``full_names`` that verifies (None if unknown):
+    without a manifest, the run a directory continues is the one its newest state belongs to."""
+    from .fullckpt import read_full_index
+
+    for name in sorted(full_names, key=_step_order, reverse=True):
+        try:
+            return read_full_index(os.path.join(directory, name)).get("run")
+        except (CorruptCheckpointError, VersionMismatchError, OSError, EOFError):
+            continue
+    return None
+
+
+def _is_dead_temp(name: str) -> bool:
+    m = TEMP_RE.match(name)
+    if not m:
+        return False
+    pid = int(m.group(2) or m.group(3))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def load_view(directory: str, warn=None, **options) -> Manifest:
+    """The reconciled view of ``directory``, its notes passed to ``warn``."""
+    inventory = take_inventory(directory, **options)
+    if warn:
+        for note in inventory.notes:
+            warn(note)
+    return inventory.manifest
+
