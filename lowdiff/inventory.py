@@ -111,7 +111,7 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
         view, adopted, ignored = _adopt(directory, Manifest(run=run), checkpoint_names, sizes, skip_other_versions)
         view = dataclasses.replace(view, rebuilt=True)
         notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
-        return Inventory(view, data, (), (), tuple(ignored), (), dead_temps, tuple(notes))
+        return Inventory(view, data, tuple(adopted), (), tuple(ignored), (), dead_temps, tuple(notes))
     retired_present = tuple(r.file for r in committed.retired
                             if r.file not in committed.files() and sizes.get(r.file) == r.nbytes)
     listed = committed.files()

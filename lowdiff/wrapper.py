@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+import fastio
+
 from . import capture, faults
 from .background import DiffWriter, FullWriter
 from .compress import Compressed, Dense, decompress_into
@@ -52,6 +54,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         for name, obj in (extra_state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+        if engine is None:
+            # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
+            fastio.engine()
         self.config = WrapConfig(full_every=full_every, batch_steps=batch_steps, keep_full=keep_full,
                                  max_pending_batches=max_pending_batches, overwrite=overwrite,
                                  failure_rate_per_hour=failure_rate_per_hour)
