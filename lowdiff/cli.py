@@ -130,6 +130,13 @@ def cmd_verify(args) -> int:
         except (CorruptCheckpointError, OSError, EOFError) as exc:
             problems += 1
             print(f"CORRUPT  {exc}")
+    if inventory.foreign_manifest:
+        problems += 1
+        print(f"FOREIGN  {os.path.join(directory, MANIFEST_NAME)}: lists none of the checkpoint files here "
+              f"(another directory's manifest?); the files were used instead")
+    for name in inventory.missing:
+        problems += 1
+        print(f"MISSING  {os.path.join(directory, name)} (listed in {MANIFEST_NAME})")
     for name, why, label in inventory.ignored:
         problems += 1
         print(f"{label:<8} {os.path.join(directory, name)}: not used: {why}")

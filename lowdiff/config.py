@@ -1,7 +1,10 @@
-"""WrapConfig: the validated settings of one lowdiff.wrap call."""
+"""WrapConfig: the validated settings of one lowdiff.wrap call, and the checks of its objects."""
 from __future__ import annotations
 
 import dataclasses
+import os
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,3 +31,37 @@ class WrapConfig:
             raise ValueError(f"max_pending_batches={self.max_pending_batches!r} must be >= 1")
         if not self.failure_rate_per_hour > 0:
             raise ValueError(f"failure_rate_per_hour={self.failure_rate_per_hour!r} must be > 0")
+
+
+def check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state) -> None:
+    """Refuse, with a message naming the argument, objects lowdiff.wrap cannot checkpoint exactly."""
+    from .compress import Dense, TopK
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(directory, (str, bytes, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+    if compressor is not None and not isinstance(compressor, (Dense, TopK)):
+        raise TypeError(f"compressor must be lowdiff.TopK(...) or lowdiff.Dense(), got {compressor!r}")
+    if scheduler is not None:
+        if not all(hasattr(scheduler, name) for name in ("step", "state_dict", "load_state_dict")):
+            raise TypeError(f"scheduler ({type(scheduler).__name__}) has no step()/state_dict()/load_state_dict()")
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("scheduler belongs to another optimizer: build it on the optimizer you pass to wrap()")
+    if extra_state is not None and not isinstance(extra_state, dict):
+        raise TypeError(f"extra_state must be a dict of name -> object, got {type(extra_state).__name__}")
+    for name, obj in (extra_state or {}).items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+    owned = {id(p) for p in _unwrapped(model).parameters()}
+    for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        if id(p) not in owned:
+            raise ValueError(f"parameter #{index} of the optimizer ({tuple(p.shape)}) is not a parameter of the "
+                             f"model: its value would not be checkpointed; register it in the model")
+
+
+def _unwrapped(model):
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model

@@ -35,7 +35,10 @@ class Inventory:
     manifest: Manifest                 # the view: what readers use and the trainer commits next
     committed: bytes | None            # MANIFEST.json's bytes as read (None: missing)
     adopted: tuple = ()                # names of unlisted files taken into the view
-    missing: tuple = ()                # names listed in the manifest that do not exist
+    missing: tuple = ()                # names listed in the manifest that do not exist (damage)
+    superseded: tuple = ()             # missing too, but the manifest is older than the files
+                                       # (a stale manifest): retired by a commit that was lost
+    foreign_manifest: bool = False     # MANIFEST.json lists none of the files here
     ignored: tuple = ()                # (name, why, label) of checkpoint-named files left unused;
                                        # label: "VERSION", "FOREIGN" (another run) or "CORRUPT"
     retired_present: tuple = ()        # names the committed manifest retired and that still exist
@@ -45,7 +48,8 @@ class Inventory:
     @property
     def changed(self) -> bool:
         """Whether the view differs from the committed manifest (the trainer then commits it)."""
-        return self.committed is None or self.manifest.rebuilt or bool(self.adopted or self.missing)
+        return self.committed is None or self.manifest.rebuilt or bool(self.adopted or self.missing or
+                                                                        self.superseded)
 
 
 def take_inventory(directory: str, *, skip_other_versions: bool = False) -> Inventory:
@@ -99,8 +103,11 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
             notes.append(f"{exc}; rebuilding the list of checkpoints from the files in {directory}")
     checkpoint_names = [n for n in sizes if FULL_RE.match(n) or DIFF_RE.match(n)]
     dead_temps = tuple(n for n in sizes if _is_dead_temp(n))
-    if committed is not None and checkpoint_names and not (committed.files() & set(checkpoint_names)) \
-            and committed.files():
+    foreign = committed is not None and bool(checkpoint_names) and bool(committed.files()) and \
+        not committed.files() & set(checkpoint_names) and \
+        (committed.run is None or committed.run != _newest_run(directory, [n for n in checkpoint_names
+                                                                             if FULL_RE.match(n)]))
+    if foreign:  # (the same run's manifest listing none of the files is merely stale: adopted below)
         notes.append(f"{os.path.join(directory, MANIFEST_NAME)} lists none of the {len(checkpoint_names)} "
                      f"checkpoint files in {directory} (a manifest of another directory?); rebuilt the list from the files")
         committed = None
@@ -111,28 +118,36 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
         view, adopted, ignored = _adopt(directory, Manifest(run=run), checkpoint_names, sizes, skip_other_versions)
         view = dataclasses.replace(view, rebuilt=True)
         notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
-        return Inventory(view, data, tuple(adopted), (), tuple(ignored), (), dead_temps, tuple(notes))
+        return Inventory(view, data, tuple(adopted), (), (), foreign, tuple(ignored), (), dead_temps, tuple(notes))
     retired_present = tuple(r.file for r in committed.retired
                             if r.file not in committed.files() and sizes.get(r.file) == r.nbytes)
     listed = committed.files()
     missing = sorted(name for name in listed if name not in sizes)
-    for name in missing:
-        notes.append(f"{os.path.join(directory, name)} is listed in {MANIFEST_NAME} but missing")
     view = dataclasses.replace(committed, fulls=[f for f in committed.fulls if f.file in sizes],
                                batches=[b for b in committed.batches if b.file in sizes], retired=[])
     view, skipped = _without_other_versions(directory, view, skip_other_versions)
     unlisted = [n for n in checkpoint_names if n not in listed and n not in retired_present]
     view, adopted, ignored = _adopt(directory, view, unlisted, sizes, skip_other_versions)
+    superseded: list = []
     if adopted:
         notes.append(f"{directory}: {len(adopted)} checkpoint files that {MANIFEST_NAME} does not list verify "
                      f"and belong to this run (the manifest is older than the files?); using them: "
                      + ", ".join(adopted[:4]) + (" ..." if len(adopted) > 4 else ""))
+        # A stale manifest lists files that newer commits, now lost, retired: not damage.
+        newest_adopted = max((f.step for f in view.fulls if f.file in adopted), default=-1)
+        superseded = [n for n in missing if _step_order(n)[0] < newest_adopted]
+        missing = [n for n in missing if n not in superseded]
+        if superseded:
+            notes.append(f"{directory}: {len(superseded)} files the stale {MANIFEST_NAME} lists are gone, "
+                         f"superseded by the newer files")
+    for name in missing:
+        notes.append(f"{os.path.join(directory, name)} is listed in {MANIFEST_NAME} but missing")
     ignored += skipped
     notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
     if view.run is None:  # a manifest written before runs existed
         view = dataclasses.replace(view, run=_newest_run(directory, [f.file for f in view.fulls]))
-    return Inventory(view, data, tuple(adopted), tuple(missing), tuple(ignored), retired_present, dead_temps,
-                     tuple(notes))
+    return Inventory(view, data, tuple(adopted), tuple(missing), tuple(superseded), False, tuple(ignored),
+                     retired_present, dead_temps, tuple(notes))
 
 
 def _without_other_versions(directory: str, view: Manifest, skip: bool):

@@ -20,7 +20,7 @@ import fastio
 from . import capture, faults
 from .background import DiffWriter, FullWriter
 from .compress import Compressed, Dense, decompress_into
-from .config import WrapConfig
+from .config import WrapConfig, check_wrap_arguments
 from .controller import Controller
 from .ddp import AggregatedRecorder, CompressedAllReduce, distributed_rank, is_ddp
 from .errors import CheckpointError
@@ -47,13 +47,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                  overwrite=False, failure_rate_per_hour=0.1, engine=None):
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, obj in (extra_state or {}).items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+        check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
             fastio.engine()

@@ -43,6 +43,8 @@ class _Moved(Exception):
 
 def checkpoint_directory(directory) -> str:
     """``directory`` as a path; a path that is a file is refused by name."""
+    if not isinstance(directory, (str, bytes, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
     directory = os.fspath(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"{directory} is a file, not a checkpoint directory")

@@ -52,6 +52,11 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
     step and reset to zero otherwise (with a warning).
     """
     directory = checkpoint_directory(directory)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be the optimizer lowdiff.wrap returned (or a torch.optim.Optimizer), "
+                        f"got {type(optimizer).__name__}")
     wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
     inner = wrapper.optimizer if wrapper else optimizer
     if wrapper is not None:

@@ -318,3 +318,37 @@ def test_a_bad_backend_is_refused_at_wrap(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="FASTIO_BACKEND='fastest'"):
         wrap(str(tmp_path / "ckpt"), model, opt, sched, sampler)
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def _wrong_wrap_calls():
+    def fresh():
+        model = torch.nn.Linear(4, 2)
+        return model, torch.optim.AdamW(model.parameters())
+
+    def other_optimizer_params(d):
+        model, _ = fresh()
+        return lowdiff.wrap(torch.optim.AdamW(torch.nn.Linear(4, 2).parameters()), model, d)
+
+    def other_optimizer_scheduler(d):
+        model, opt = fresh()
+        sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1), 3)
+        return lowdiff.wrap(opt, model, d, scheduler=sched)
+
+    return {
+        "compressor": (lambda d: lowdiff.wrap(*reversed(fresh()), d, compressor="topk"), TypeError, "lowdiff.TopK"),
+        "extra_state": (lambda d: lowdiff.wrap(*reversed(fresh()), d, extra_state=[1]), TypeError, "dict"),
+        "scheduler": (lambda d: lowdiff.wrap(*reversed(fresh()), d, scheduler="cosine"), TypeError, "scheduler"),
+        "directory": (lambda d: lowdiff.wrap(*reversed(fresh()), None), TypeError, "directory must be a path"),
+        "params": (other_optimizer_params, ValueError, "not a parameter of the model"),
+        "scheduler-optimizer": (other_optimizer_scheduler, ValueError, "another optimizer"),
+        "resume-optimizer": (lambda d: recovery.resume(d, fresh()[0], None), TypeError, "optimizer must be"),
+        "resume-model": (lambda d: recovery.resume(d, None, fresh()[1]), TypeError, "model must be"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_wrong_wrap_calls()))
+def test_wrong_arguments_get_errors_that_name_them(tmp_path, case):
+    call, error, match = _wrong_wrap_calls()[case]
+    with pytest.raises(error, match=match):
+        call(str(tmp_path / "ckpt"))
+    assert not os.path.exists(tmp_path / "ckpt"), "nothing is created for a refused call"
