@@ -7,6 +7,7 @@ import fastio
 
 from . import container, faults
 from .errors import CorruptCheckpointError
+from .format import BatchIndex
 from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, record_length
 
 log = logging.getLogger("lowdiff")
@@ -24,9 +25,8 @@ def write_batch(path: str, session: str, records: list, *, run: str | None = Non
                 writer.write(buffer)
             entries.append([step, offset, writer.size - offset])
         faults.point("batch-write")
-        index = container.encode_index({
-            "version": container.FORMAT_VERSION, "kind": "diff", "session": session, "run": run,
-            "first": records[0][0], "last": records[-1][0], "records": entries})
+        index = container.encode_index(
+            BatchIndex(records[0][0], records[-1][0], session, run, tuple(map(tuple, entries))).to_json())
         index_offset = writer.write(index)
         writer.write(container.trailer_bytes(index_offset, index, container.KIND_DIFF))
         return writer.size
@@ -41,8 +41,9 @@ class BatchReader:
         self._reader = fastio.Reader(path, engine=engine)
         self.index_error: CorruptCheckpointError | None = None
         try:
-            self.index = container.read_index(path, self._reader.read, self._reader.size, container.KIND_DIFF)
-            self.entries = [tuple(e) for e in self.index["records"]]
+            raw = container.read_index(path, self._reader.read, self._reader.size, container.KIND_DIFF)
+            self.index: BatchIndex | None = BatchIndex.from_json(path, raw, self._reader.size - container.TRAILER.size)
+            self.entries = list(self.index.records)
         except CorruptCheckpointError as exc:
             if isinstance(exc, container.ForeignFileError):
                 self._reader.close()

@@ -60,7 +60,7 @@ def cmd_inspect(args) -> int:
         end = chain[-1].last if chain else full.step
         try:
             index = read_full_index(os.path.join(directory, full.file))
-            tensors = len(index["tensors"])
+            tensors = len(index.tensors)
         except (CheckpointError, OSError, EOFError) as exc:
             tensors = f"unreadable: {exc}"
         print(f"  step {full.step:>8}  {_human(full.nbytes):>10}  tensors {tensors}  {full.file}  "

@@ -11,10 +11,10 @@ import struct
 import zlib
 
 from .errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError  # noqa: F401 (re-exported)
+from .format import FORMAT_VERSION
 
 MAGIC = b"LOWDIFF\x00"
 TRAILER_MAGIC = b"LDINDEX\x00"
-FORMAT_VERSION = 1
 KIND_FULL = 1
 KIND_DIFF = 2
 KIND_NAMES = {KIND_FULL: "full checkpoint", KIND_DIFF: "differential batch"}
@@ -62,7 +62,8 @@ def check_version(path: str) -> None:
 
 
 def read_index(path: str, read, file_bytes: int, kind: int) -> dict:
-    """Check preamble and trailer and return the parsed index. ``read(offset, n) -> bytes``."""
+    """Check preamble and trailer and return the index as parsed JSON (lowdiff.format validates
+    its fields). ``read(offset, n) -> bytes``."""
     check_preamble(path, read(0, min(PREAMBLE.size, file_bytes)), kind)
     if file_bytes < PREAMBLE.size + TRAILER.size:
         raise CorruptCheckpointError(path, f"file is truncated: {file_bytes} bytes leave no room for the index trailer")
@@ -82,6 +83,4 @@ def read_index(path: str, read, file_bytes: int, kind: int) -> dict:
         index = json.loads(raw)
     except ValueError as exc:
         raise CorruptCheckpointError(path, f"index is not valid JSON: {exc}") from None
-    if index.get("version") != FORMAT_VERSION:
-        raise VersionMismatchError(path, f"index version {index.get('version')!r}, expected {FORMAT_VERSION}")
     return index

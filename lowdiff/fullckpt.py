@@ -16,15 +16,13 @@ import fastio
 
 from . import container, faults, tree
 from .errors import CorruptCheckpointError
+from .format import PAGE, PAYLOAD_OFFSET, SMALL_TENSOR_ALIGN, Checksummed, FullIndex, FullState, Section, TensorEntry
 from .records import dtype_from_name, dtype_name
-
-PAYLOAD_OFFSET = 4096        # payloads start on the first page after the preamble
-SMALL_TENSOR_ALIGN = 64      # tensors under a page are packed, aligned for any dtype
-PAGE = 4096
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorEntry:
+class Placement:
+    """Where a tensor goes in the payload region of the next full checkpoint."""
     key: str
     dtype: str
     shape: tuple
@@ -32,14 +30,14 @@ class TensorEntry:
     nbytes: int
 
 
-def plan_layout(tensors: list) -> tuple[list[TensorEntry], int]:
+def plan_layout(tensors: list) -> tuple[list[Placement], int]:
     """Offsets for ``[(key, tensor)]``: page-aligned for large tensors, packed for small ones."""
     entries, offset = [], 0
     for key, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         align = PAGE if nbytes >= PAGE else SMALL_TENSOR_ALIGN
         offset = -(-offset // align) * align
-        entries.append(TensorEntry(key, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        entries.append(Placement(key, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
         offset += nbytes
     return entries, -(-offset // PAGE) * PAGE
 
@@ -53,7 +51,7 @@ def _version_counters(tensors) -> list | None:
         return None
 
 
-def _staging_view(staging: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+def _staging_view(staging: torch.Tensor, entry: Placement) -> torch.Tensor:
     dtype = dtype_from_name(entry.dtype, "<staging>")
     return staging[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
@@ -74,7 +72,7 @@ class Snapshot:
         self._buffer: fastio.AlignedBuffer | None = None
         self.spare: fastio.AlignedBuffer | None = None  # pre-faulted in the background by prepare()
         self.step = -1
-        self.entries: list[TensorEntry] = []
+        self.entries: list[Placement] = []
         self.payload_bytes = 0
         self._skeleton = None
         self._destinations = None  # (entries, staging views) of the last copy
@@ -166,11 +164,11 @@ class Snapshot:
         payload = self._buffer.view(0, self.payload_bytes) if self.payload_bytes else memoryview(b"")
         objects = tree.dumps(self._skeleton)
         checksums = iter(self._checksums or ())
-        tensors = [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": PAYLOAD_OFFSET + e.offset,
-                    "nbytes": e.nbytes,
-                    "crc32c": next(checksums) if self._checksums is not None and e.nbytes else
-                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes])}
-                   for e in self.entries]
+        tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
+                                    next(checksums) if self._checksums is not None and e.nbytes else
+                                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes]),
+                                    key=e.key, dtype=e.dtype, shape=e.shape)
+                        for e in self.entries)
         file_bytes = PAYLOAD_OFFSET + self.payload_bytes + len(objects) + 8192
         with fastio.Writer(path, size_hint=file_bytes, engine=engine) as writer:
             writer.write(container.preamble_bytes(container.KIND_FULL))
@@ -178,11 +176,11 @@ class Snapshot:
             writer.write(payload)
             faults.point("full-write")
             objects_offset = writer.write(objects)
-            index = container.encode_index({
-                "version": container.FORMAT_VERSION, "kind": "full", "step": self.step, "session": session, "run": run,
-                "tensors": tensors, "payload_bytes": self.payload_bytes,
-                "objects": {"offset": objects_offset, "nbytes": len(objects), "crc32c": fastio.crc32c(objects)},
-                **self.meta})
+            index = container.encode_index(FullIndex(
+                self.step, session, run, self.payload_bytes, tensors,
+                Section(objects_offset, len(objects), fastio.crc32c(objects)),
+                tuple(self.meta["param_names"]), self.meta["param_aliases"], self.meta["optimizer_class"],
+                self.meta["compressor"]).to_json())
             index_offset = writer.write(index)
             writer.write(container.trailer_bytes(index_offset, index, container.KIND_FULL))
             if before_commit is not None and not before_commit():
@@ -191,59 +189,50 @@ class Snapshot:
             return writer.size
 
 
-def _checksum_matches(entry: dict, data, path: str, what: str) -> bool:
-    """Check ``data`` against the entry's CRC-32C ("crc32c"; files written before it existed
-    carry zlib's CRC-32 as "crc32")."""
-    if "crc32c" in entry:
-        return fastio.crc32c(data) == entry["crc32c"]
-    if "crc32" in entry:
-        return zlib.crc32(data) == entry["crc32"]
-    raise CorruptCheckpointError(path, f"the index gives the {what} no checksum")
+def _checksum_matches(entry: Checksummed, data) -> bool:
+    """``data`` against the entry's CRC-32C (or, in files written before it, zlib's CRC-32)."""
+    if entry.crc32c is not None:
+        return fastio.crc32c(data) == entry.crc32c
+    return zlib.crc32(data) == entry.crc32
 
 
-def read_full_index(path: str, *, engine=None) -> dict:
+def read_full_index(path: str, *, engine=None) -> FullIndex:
     with fastio.Reader(path, engine=engine) as reader:
-        return container.read_index(path, reader.read, reader.size, container.KIND_FULL)
+        return FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
+                                   reader.size)
 
 
-def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[dict, dict]:
-    """Read a full checkpoint: (index, state tree with tensors). One O_DIRECT read of the whole
-    payload region into aligned memory; tensors are views of it. Checksums are verified."""
+def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[FullIndex, FullState]:
+    """Read a full checkpoint: (index, state). One O_DIRECT read of the whole payload region into
+    aligned memory; tensors are views of it. Checksums are verified."""
     with fastio.Reader(path, engine=engine) as reader:
-        index = container.read_index(path, reader.read, reader.size, container.KIND_FULL)
-        payload_bytes = int(index["payload_bytes"])
-        if PAYLOAD_OFFSET + payload_bytes > reader.size:
-            raise CorruptCheckpointError(path, f"payload of {payload_bytes} bytes runs past the end of the file")
-        buffer = fastio.aligned_buffer(payload_bytes)
-        if payload_bytes:
+        index = FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
+                                    reader.size)
+        buffer = fastio.aligned_buffer(index.payload_bytes)
+        if index.payload_bytes:
             reader.read_into(PAYLOAD_OFFSET, buffer.view())
-        obj = index["objects"]
-        objects = reader.read(obj["offset"], obj["nbytes"])
-    if not _checksum_matches(obj, objects, path, "objects section"):
-        raise CorruptCheckpointError(path, f"objects section at offset {obj['offset']} fails its checksum")
+        objects = reader.read(index.objects.offset, index.objects.nbytes)
+    if not _checksum_matches(index.objects, objects):
+        raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its checksum")
     payload = buffer.view()
-    staging = buffer.tensor() if payload_bytes else torch.empty(0, dtype=torch.uint8)
+    staging = buffer.tensor() if index.payload_bytes else torch.empty(0, dtype=torch.uint8)
     tensors = {}
-    for entry in index["tensors"]:
-        start = entry["offset"] - PAYLOAD_OFFSET
-        if start < 0 or start + entry["nbytes"] > payload_bytes:
-            raise CorruptCheckpointError(path, f"tensor {entry['key']!r} lies outside the payload region")
-        if verify and not _checksum_matches(entry, payload[start:start + entry["nbytes"]], path,
-                                            f"tensor {entry['key']!r}"):
-            raise CorruptCheckpointError(path, f"tensor {entry['key']!r} at offset {entry['offset']} fails its checksum")
-        dtype = dtype_from_name(entry["dtype"], path)
-        shape = tuple(entry["shape"])
-        if entry["nbytes"] == 0:
-            tensors[entry["key"]] = torch.empty(shape, dtype=dtype)
+    for entry in index.tensors:
+        start = entry.offset - PAYLOAD_OFFSET
+        if verify and not _checksum_matches(entry, payload[start:start + entry.nbytes]):
+            raise CorruptCheckpointError(path, f"tensor {entry.key!r} at offset {entry.offset} fails its checksum")
+        dtype = dtype_from_name(entry.dtype, path)
+        if entry.nbytes == 0:
+            tensors[entry.key] = torch.empty(entry.shape, dtype=dtype)
         else:
-            view = staging[start:start + entry["nbytes"]].view(dtype).view(shape)
+            view = staging[start:start + entry.nbytes].view(dtype).view(entry.shape)
             # Large tensors stay views of the read buffer (no copy). Small ones are cloned: some
             # torch entry points (set_rng_state) mishandle views with a storage offset.
-            tensors[entry["key"]] = view if entry["nbytes"] >= PAGE else view.clone()
+            tensors[entry.key] = view if entry.nbytes >= PAGE else view.clone()
     skeleton = tree.loads(objects, path)
 
     def lookup(key):
         if key not in tensors:
             raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
         return tensors[key]
-    return index, tree.join_tensors(skeleton, lookup)
+    return index, FullState.from_tree(path, tree.join_tensors(skeleton, lookup))

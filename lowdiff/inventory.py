@@ -23,6 +23,7 @@ import re
 
 from . import container
 from .errors import CorruptCheckpointError, DirectoryBusyError, ForeignFileError, VersionMismatchError
+from .format import FullIndex
 from .manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest
 
 # Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND") and write_manifest ("MANIFEST.json.tmp-PID").
@@ -208,9 +209,9 @@ def _describe(path: str, name: str, nbytes: int):
 
     if m := FULL_RE.match(name):
         index = read_full_index(path)
-        entry = FullEntry(index["step"], name, nbytes, m.group(2))
+        entry = FullEntry(index.step, name, nbytes, m.group(2))
         check_entry(path, entry, index, nbytes, None)
-        return entry, index.get("run")
+        return entry, index.run
     m = DIFF_RE.match(name)
     with BatchReader(path) as reader:
         steps, index = reader.steps, reader.index
@@ -221,24 +222,27 @@ def _describe(path: str, name: str, nbytes: int):
         check_entry(path, entry, index, nbytes, None)
     elif steps[0] != int(m.group(1)):
         raise CorruptCheckpointError(path, f"its first record is step {steps[0]}, its name says {int(m.group(1))}")
-    return entry, None if index is None else index.get("run")
+    return entry, None if index is None else index.run
 
 
-def check_entry(path: str, entry, index: dict | None, nbytes: int, run: str | None) -> None:
-    """Raise CorruptCheckpointError unless the file at ``path`` (``nbytes`` long, its parsed
-    ``index``, None when unreadable) is what ``entry`` says: size, kind, steps, session and run."""
+def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
+    """Raise CorruptCheckpointError unless the file at ``path`` (``nbytes`` long, its ``index``:
+    FullIndex, BatchIndex, or None when unreadable) is what ``entry`` says: size, kind, steps,
+    session and run."""
     problems = []
     if nbytes != entry.nbytes:
         problems.append(f"it is {nbytes} bytes, the manifest says {entry.nbytes}")
     if index is not None:
         full = isinstance(entry, FullEntry)
-        wanted = {"kind": "full" if full else "diff", "session": entry.session,
-                  **({"step": entry.step} if full else {"first": entry.first, "last": entry.last})}
-        if run is not None and index.get("run") is not None:
+        if full != isinstance(index, FullIndex):
+            problems.append(f"it is a {'full checkpoint' if not full else 'differential batch'}, the manifest "
+                            f"lists a {'full checkpoint' if full else 'differential batch'}")
+        wanted = {"session": entry.session, **({"step": entry.step} if full else {"first": entry.first, "last": entry.last})}
+        if run is not None and index.run is not None:
             wanted["run"] = run
         for key, value in wanted.items():
-            if index.get(key) != value:
-                problems.append(f"its {key} is {index.get(key)!r}, the manifest says {value!r}")
+            if getattr(index, key, None) != value:
+                problems.append(f"its {key} is {getattr(index, key, None)!r}, the manifest says {value!r}")
     if problems:
         raise CorruptCheckpointError(path, "is not the file the manifest lists (replaced or damaged): "
                                            + "; ".join(problems))
@@ -251,7 +255,7 @@ def _newest_run(directory: str, full_names: list) -> str | None:
 
     for name in sorted(full_names, key=_step_order, reverse=True):
         try:
-            return read_full_index(os.path.join(directory, name)).get("run")
+            return read_full_index(os.path.join(directory, name)).run
         except (CorruptCheckpointError, VersionMismatchError, OSError, EOFError):
             continue
     return None

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 import zstandard
 
-from . import container, tree
+from . import tree
 from .compress import Compressed
 from .errors import CorruptCheckpointError
+from .format import FORMAT_VERSION, GradMeta, RecordMeta
 
 RECORD_MAGIC = b"LDRC"
 RECORD_HEADER = struct.Struct("<4sHHQIQI")  # magic, version, flags, step, packed bytes, raw bytes, crc32
@@ -142,25 +143,21 @@ def encode_record(record: StepRecord, compressor=None) -> list:
     deltas, widths = _delta_bytes(indices, [g.values.numel() for g in sparse])
     width_of = dict(zip(map(id, sparse), widths))
     value_of = dict(zip(map(id, sparse), sparse_values))
-    grads_meta = []
-    for grad in record.grads:
-        if grad.kind == "none":
-            grads_meta.append(["none", grad.numel, 0, ""])
-        elif grad.kind == "dense":
-            grads_meta.append(["dense", grad.numel, 0, dtype_name(grad.values.dtype)])
-        else:
-            grads_meta.append(["sparse", grad.numel, grad.values.numel(), dtype_name(grad.values.dtype),
-                               width_of[id(grad)]])
+    grads_meta = tuple(
+        GradMeta("none", g.numel, 0, "") if g.kind == "none" else
+        GradMeta("dense", g.numel, 0, dtype_name(g.values.dtype)) if g.kind == "dense" else
+        GradMeta("sparse", g.numel, g.values.numel(), dtype_name(g.values.dtype), width_of[id(g)])
+        for g in record.grads)
     raw = _values_bytes([value_of[id(g)] if g.kind == "sparse" else g.values for g in present])
     objects = tree.dumps(record.objects)
-    meta = json.dumps({"step": record.step, "skipped": record.skipped, "objects_bytes": len(objects),
-                       "grads": grads_meta}, separators=(",", ":")).encode()
+    meta = json.dumps(RecordMeta(record.step, record.skipped, len(objects), grads_meta).to_json(),
+                      separators=(",", ":")).encode()
     packed = (compressor or _compressor()).compress(b"".join([_LEN.pack(len(meta)), meta, objects, deltas]))
     raw_bytes = sum(view.nbytes for view in raw)
     crc = zlib.crc32(packed)
     for view in raw:
         crc = zlib.crc32(view, crc)
-    header = RECORD_HEADER.pack(RECORD_MAGIC, container.FORMAT_VERSION, 0, record.step, len(packed), raw_bytes, crc)
+    header = RECORD_HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, 0, record.step, len(packed), raw_bytes, crc)
     return [header, packed, *raw]
 
 
@@ -177,17 +174,34 @@ def _compressor() -> zstandard.ZstdCompressor:
 def decode_record(data, path: str, offset: int, expected_step: int | None = None) -> StepRecord:
     """Parse and verify one record from ``data`` (header + body). Raises CorruptCheckpointError."""
     where = f"record at offset {offset}"
-    view = memoryview(data)
+    step, packed, raw = _verified_body(memoryview(data), path, where, expected_step)
+    try:
+        structured = zstandard.ZstdDecompressor().decompress(packed)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(path, f"{where} cannot be decompressed: {exc}") from None
+    (meta_len,) = _LEN.unpack_from(structured)
+    try:
+        meta = RecordMeta.from_json(path, json.loads(structured[4:4 + meta_len]), where)
+    except ValueError as exc:
+        raise CorruptCheckpointError(path, f"{where} has metadata that is not JSON: {exc}") from None
+    pos = 4 + meta_len
+    objects = tree.loads(structured[pos:pos + meta.objects_bytes], path)
+    grads = _decode_grads(meta, structured, pos + meta.objects_bytes, raw, path, where)
+    return StepRecord(step, meta.skipped, grads, objects)
+
+
+def _verified_body(view: memoryview, path: str, where: str, expected_step: int | None):
+    """(step, packed part, raw part) of a record whose header and checksum verify."""
     if view.nbytes < RECORD_HEADER.size:
         raise CorruptCheckpointError(path, f"{where} is truncated")
     magic, version, flags, step, packed_len, raw_len, crc = RECORD_HEADER.unpack_from(view)
     if magic != RECORD_MAGIC:
         raise CorruptCheckpointError(path, f"{where} has bad magic {bytes(magic)!r}")
-    if version != container.FORMAT_VERSION:
+    if version != FORMAT_VERSION:
         # The file's version was checked by its preamble and index; a record that disagrees with
         # its own file (its header is outside the CRC) is damage, not a newer format.
         raise CorruptCheckpointError(path, f"{where} says format version {version} inside a version "
-                                           f"{container.FORMAT_VERSION} file")
+                                           f"{FORMAT_VERSION} file")
     if flags:  # none are defined yet: a record that sets one needs a newer reader
         raise CorruptCheckpointError(path, f"{where} sets unknown flags 0x{flags:04x}")
     end = RECORD_HEADER.size + packed_len + raw_len
@@ -198,43 +212,39 @@ def decode_record(data, path: str, offset: int, expected_step: int | None = None
         raise CorruptCheckpointError(path, f"{where} (step {step}) fails its checksum")
     if expected_step is not None and step != expected_step:
         raise CorruptCheckpointError(path, f"{where} holds step {step}, expected step {expected_step}")
-    try:
-        structured = zstandard.ZstdDecompressor().decompress(body[:packed_len])
-    except zstandard.ZstdError as exc:
-        raise CorruptCheckpointError(path, f"{where} cannot be decompressed: {exc}") from None
-    (meta_len,) = _LEN.unpack_from(structured)
-    meta = json.loads(structured[4:4 + meta_len])
-    pos = 4 + meta_len
-    objects = tree.loads(structured[pos:pos + meta["objects_bytes"]], path)
-    pos += meta["objects_bytes"]
-    raw = body[packed_len:]
-    raw_pos = 0
-    grads = []
-    for kind, numel, nnz, dtype_str, *rest in meta["grads"]:
-        if kind == "none":
-            grads.append(Compressed("none", numel, None))
+    return step, body[:packed_len], body[packed_len:]
+
+
+def _decode_grads(meta: RecordMeta, structured: bytes, pos: int, raw: memoryview, path: str, where: str) -> list:
+    """The gradients ``meta`` describes: values from ``raw``, index deltas from ``structured`` at ``pos``."""
+    raw_pos, grads = 0, []
+    for grad in meta.grads:
+        if grad.kind == "none":
+            grads.append(Compressed("none", grad.numel, None))
             continue
-        dtype = dtype_from_name(dtype_str, path)
-        count = nnz if kind == "sparse" else numel
+        dtype = dtype_from_name(grad.dtype, path)
+        count = grad.nnz if grad.kind == "sparse" else grad.numel
         nbytes = count * torch.empty((), dtype=dtype).element_size()
+        if raw_pos + nbytes > raw.nbytes:
+            raise CorruptCheckpointError(path, f"{where} describes more value bytes than its {raw.nbytes}")
         values = torch.frombuffer(bytearray(raw[raw_pos:raw_pos + nbytes]), dtype=dtype) if nbytes else \
             torch.empty(0, dtype=dtype)
         raw_pos += nbytes
-        if kind == "dense":
-            grads.append(Compressed("dense", numel, values))
+        if grad.kind == "dense":
+            grads.append(Compressed("dense", grad.numel, values))
             continue
-        width = rest[0] if rest else 4   # records written before u16 deltas existed have no width
-        if width not in (2, 4):
-            raise CorruptCheckpointError(path, f"{where} has index delta width {width!r}")
-        deltas = np.frombuffer(structured, dtype=np.uint16 if width == 2 else np.uint32, count=nnz, offset=pos)
-        pos += width * nnz
+        if pos + grad.width * grad.nnz > len(structured):
+            raise CorruptCheckpointError(path, f"{where} describes more index deltas than it holds")
+        deltas = np.frombuffer(structured, dtype=np.uint16 if grad.width == 2 else np.uint32, count=grad.nnz,
+                               offset=pos)
+        pos += grad.width * grad.nnz
         indices = np.cumsum(deltas, dtype=np.int64)
-        if nnz and (indices[-1] >= numel or (nnz > 1 and deltas[1:].min() == 0)):
-            raise CorruptCheckpointError(path, f"{where} has indices that are not sorted, unique and < {numel}")
-        grads.append(Compressed("sparse", numel, values, torch.from_numpy(indices.astype(np.int32))))
-    if raw_pos != raw_len:
-        raise CorruptCheckpointError(path, f"{where} declares {raw_len} value bytes but describes {raw_pos}")
-    return StepRecord(step, bool(meta["skipped"]), grads, objects)
+        if grad.nnz and (indices[-1] >= grad.numel or (grad.nnz > 1 and deltas[1:].min() == 0)):
+            raise CorruptCheckpointError(path, f"{where} has indices that are not sorted, unique and < {grad.numel}")
+        grads.append(Compressed("sparse", grad.numel, values, torch.from_numpy(indices.astype(np.int32))))
+    if raw_pos != raw.nbytes:
+        raise CorruptCheckpointError(path, f"{where} declares {raw.nbytes} value bytes but describes {raw_pos}")
+    return grads
 
 
 def record_length(header: bytes) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lowdiff.errors import IncompatibleCheckpointError
+from lowdiff.format import FullIndex, FullState
 
 
 def class_path(obj) -> str:
@@ -26,7 +27,7 @@ def _shown(items, limit: int = 4) -> str:
     return ", ".join(map(str, items[:limit])) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def check_compatible(path: str, index: dict, state: dict, model: torch.nn.Module, optimizer, *,
+def check_compatible(path: str, index: FullIndex, state: FullState, model: torch.nn.Module, optimizer, *,
                      compressor=None, extra_state: dict | None = None) -> None:
     """Raise IncompatibleCheckpointError unless the checkpoint at ``path`` (its ``index`` and
     ``state``) can be loaded into ``model``, ``optimizer`` and ``extra_state`` and continued with
@@ -34,29 +35,29 @@ def check_compatible(path: str, index: dict, state: dict, model: torch.nn.Module
     def refuse(problem: str):
         raise IncompatibleCheckpointError(f"{path}: {problem}")
 
-    trained = index.get("optimizer_class")
+    trained = index.optimizer_class
     if trained and trained != class_path(optimizer):
         refuse(f"it was trained with optimizer {trained}; the optimizer given is {class_path(optimizer)}. "
                f"Resume with the same optimizer class (or export the state and convert it)")
-    saved_groups = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
+    saved_groups = [len(g["params"]) for g in state.optimizer["param_groups"]]
     live_groups = [len(g["params"]) for g in optimizer.param_groups]
     if saved_groups != live_groups:
         refuse(f"its optimizer has param groups of {saved_groups} parameters; the optimizer given has {live_groups}")
-    saved_names, live_names = index.get("param_names"), _param_names(model, optimizer)
-    if saved_names is not None and saved_names != live_names:
+    saved_names, live_names = list(index.param_names), _param_names(model, optimizer)
+    if saved_names != live_names:
         differ = [f"#{i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(saved_names, live_names)) if a != b]
         refuse(f"its optimizer parameters are not the model's (checkpoint vs given): {_shown(differ)}")
-    _check_model(refuse, state["model"], model.state_dict())
-    if compressor is not None and index.get("compressor"):
-        saved_kind = index["compressor"].split("(")[0]
+    _check_model(refuse, state.model, model.state_dict())
+    if compressor is not None and index.compressor:
+        saved_kind = index.compressor.split("(")[0]
         live_kind = type(compressor).__name__
         if saved_kind != live_kind:
-            refuse(f"it was written with compressor {index['compressor']}; the optimizer was wrapped with "
+            refuse(f"it was written with compressor {index.compressor}; the optimizer was wrapped with "
                    f"{compressor!r}. Changing the compressor kind would drop its per-rank state; wrap with "
                    f"{saved_kind} to resume")
-    missing = sorted(set(extra_state or {}) - set(state.get("extra") or {}))
+    missing = sorted(set(extra_state or {}) - set(state.extra))
     if missing:
-        refuse(f"it holds no state for extra_state {missing}; it has {sorted(state.get('extra') or {})}")
+        refuse(f"it holds no state for extra_state {missing}; it has {sorted(state.extra)}")
 
 
 def _check_model(refuse, saved: dict, live: dict) -> None:

@@ -24,44 +24,36 @@ def export(directory, output, *, step: int | None = None) -> int:
     the newest durable step) to ``output`` with ``torch.save``; loadable without lowdiff. Parameters
     are rebuilt from the full checkpoint and replayed with the optimizer class recorded there."""
     directory = checkpoint_directory(directory)
-    holder = {}
+    holder: dict = {}
 
     def check_full(path, index, state):
-        missing = [n for n in index.get("param_names", []) if n not in state["model"]]
-        if "param_names" not in index or missing:
+        missing = [n for n in index.param_names if n not in state.model]
+        if missing:
             raise CorruptCheckpointError(path, f"its index names optimizer parameters its model state lacks: {missing[:4]}")
+        _optimizer_class(index.optimizer_class)
 
     def apply_full(index, state):
-        model_state = dict(state["model"])
-        names = index["param_names"]
-        params = [torch.nn.Parameter(model_state[name].clone()) for name in names]
-        saved = state["optimizer"]
+        params = [torch.nn.Parameter(state.model[name].clone()) for name in index.param_names]
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
-                  for g in saved["param_groups"]]
-        optimizer = _optimizer_class(index["optimizer_class"])(groups)
-        optimizer.load_state_dict(saved)
-        holder.update(params=params, optimizer=optimizer, model_state=model_state, names=names)
+                  for g in state.optimizer["param_groups"]]
+        optimizer = _optimizer_class(index.optimizer_class)(groups)
+        optimizer.load_state_dict(state.optimizer)
+        holder.update(params=params, optimizer=optimizer)
 
     restored = restore(directory, check_full=check_full, apply_full=apply_full,
                        params_for=lambda index: holder["params"], optimizer_for=lambda index: holder["optimizer"],
                        stop_step=step)
     if restored is None:
         raise NoCheckpointError(f"{directory} holds no checkpoint")
-    model_state = holder["model_state"]
-    aliases = restored.full_index.get("param_aliases", {})
-    for slot, name in enumerate(holder["names"]):
+    index, boundary = restored.full_index, restored.boundary
+    model_state = dict(restored.full_state.model)
+    for slot, name in enumerate(index.param_names):
         model_state[name] = holder["params"][slot].detach()
-    for key, slot in aliases.items():  # tied weights stored under several keys
+    for key, slot in index.param_aliases.items():  # tied weights stored under several keys
         model_state[key] = holder["params"][slot].detach()
-    state = restored.full_state
+    model_state.update(boundary.buffers)
     out = {"step": restored.step, "model": model_state, "optimizer": holder["optimizer"].state_dict(),
-           "scheduler": state.get("scheduler"), "extra": state.get("extra"), "rng": state.get("rng")}
-    record = restored.last_record
-    if record is not None:
-        model_state.update(record.objects["buffers"])
-        out["scheduler"] = record.objects.get("scheduler")
-        out["extra"] = record.objects["extra"]
-        out["rng"] = record.objects["rng"]
+           "scheduler": boundary.scheduler, "extra": boundary.extra, "rng": boundary.rng}
     # Tensors loaded from a full checkpoint are views of one read buffer, some under different
     # dtypes, which torch.save refuses (and would otherwise store the whole buffer): give each its own.
     torch.save(_own_storage(out), os.fspath(output))

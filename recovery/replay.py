@@ -14,10 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 
-import torch
-
-from lowdiff import capture
-from lowdiff.compress import decompress_into
+from lowdiff.apply import apply_record
 from lowdiff.errors import CorruptCheckpointError
 
 _END = object()
@@ -86,22 +83,3 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     for p in params:
         p.grad = None
     return step, last
-
-
-def apply_record(record, params: list, optimizer) -> None:
-    """Redo one training step: the recorded hyper-parameters and gradient through the optimizer."""
-    if len(record.grads) != len(params) and not record.skipped:
-        raise CorruptCheckpointError("<record>", f"step {record.step} has {len(record.grads)} gradients, "
-                                                 f"the optimizer has {len(params)} parameters")
-    if not record.skipped:
-        capture.apply_hyperparameters(optimizer.param_groups, record.objects["groups_used"])
-        with torch.no_grad():
-            for p, grad in zip(params, record.grads):
-                if grad.kind == "none":
-                    p.grad = None
-                    continue
-                if p.grad is None:
-                    p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
-                decompress_into(grad, p.grad)
-        optimizer.step()
-    capture.apply_hyperparameters(optimizer.param_groups, record.objects["groups_after"])

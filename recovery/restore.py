@@ -1,10 +1,11 @@
-"""Finding the newest state that verifies and rebuilding it: load a full checkpoint, replay the
-differentials after it. Shared by ``resume`` (into live objects) and ``export`` (into fresh ones).
+"""Finding the newest state that verifies and rebuilding it: a frozen recovery plan first, then
+its execution. Shared by ``resume`` (into live objects) and ``export`` (into fresh ones).
 
-Order of work, so that bad input changes nothing: reconcile the manifest with the directory; pick
-the newest full checkpoint at or before the target that verifies and is what its entry says; let
-the caller check that it fits its objects; open every batch file of its chain (an open file
-survives a live trainer's retention); only then load it into the caller's objects and replay.
+``plan_recovery`` touches no live object: it reconciles the manifest with the directory, picks the
+newest full checkpoint at or before the target that verifies and is what its entry says, lets the
+caller check that it fits the caller's objects, and opens every batch file of its chain (an open
+file survives a live trainer's retention). ``execute`` then loads it into the caller's objects and
+replays the chain.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import os
 
 from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError, DirectoryBusyError, NoCheckpointError, VersionMismatchError
+from lowdiff.format import FullIndex, FullState, StepState
 from lowdiff.fullckpt import load_full
 from lowdiff.inventory import check_entry, take_inventory
-from lowdiff.manifest import MANIFEST_NAME, describe_retained, plan_chain
+from lowdiff.manifest import MANIFEST_NAME, FullEntry, chain_end, describe_retained, plan_chain
 
 from .replay import replay
 
@@ -24,17 +26,45 @@ log = logging.getLogger("lowdiff")
 _ATTEMPTS = 5   # re-reads of the directory when a live trainer's retention moved a file away
 
 
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    step: int              # completed steps of the restored state
-    full_step: int         # the full checkpoint it was rebuilt from
-    full_index: dict
-    full_state: dict       # the full checkpoint's state tree
-    last_record: object    # the record of ``step`` (None when step == full_step)
-
-
 def warn(message: str) -> None:
     log.warning(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryPlan:
+    """What recovery will do, decided before any live object changes."""
+
+    directory: str
+    full: FullEntry            # the full checkpoint to start from
+    index: FullIndex
+    state: FullState           # its contents, verified
+    chain: tuple               # (BatchEntry, open BatchReader) continuing it, in step order
+    reach_step: int            # the last step the chain's files list (records may still fail to verify)
+    stop_step: int | None      # the target, None for the newest
+    skipped: tuple             # (file, why) of newer files that were not used
+
+    def close(self) -> None:
+        for _, reader in self.chain:
+            reader.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    directory: str
+    step: int                  # completed steps of the restored state
+    full_step: int             # the full checkpoint it was rebuilt from
+    full_index: FullIndex
+    full_state: FullState
+    last_record: object        # the record of ``step`` (None when step == full_step)
+
+    @property
+    def boundary(self) -> StepState:
+        """The small state at the iteration boundary of ``step`` (RNG, extra_state, buffers,
+        scheduler, GradScaler): from the last replayed record, or the full checkpoint's own."""
+        if self.last_record is not None:
+            return StepState.from_objects(self.directory, self.last_record.objects, f"record of step {self.step}")
+        state = self.full_state
+        return StepState([], [], state.rng, {}, state.extra, state.scheduler, state.grad_scaler)
 
 
 class _Moved(Exception):
@@ -53,112 +83,142 @@ def checkpoint_directory(directory) -> str:
 
 def restore(directory: str, *, check_full, apply_full, params_for, optimizer_for,
             stop_step: int | None = None) -> Restored | None:
-    """Rebuild the newest durable state (or the one at ``stop_step``).
+    """Plan (``plan_recovery``), then execute: returns None for a directory with nothing in it."""
+    plan = plan_recovery(directory, check_full=check_full, stop_step=stop_step)
+    if plan is None:
+        return None
+    return execute(plan, apply_full=apply_full, params_for=params_for, optimizer_for=optimizer_for)
 
-    ``check_full(path, index, state)`` raises if the checkpoint does not fit the caller's objects
-    (nothing has been changed yet); ``apply_full(index, state)`` loads it into them;
-    ``params_for(index)``/``optimizer_for(index)`` give the parameter list and optimizer to replay
-    with. Falls back to older full checkpoints when a newer one does not verify. Returns None for a
-    directory with nothing in it; raises NoCheckpointError when nothing verifies or ``stop_step``
-    is not retained.
+
+def plan_recovery(directory: str, *, check_full, stop_step: int | None = None) -> RecoveryPlan | None:
+    """The plan to rebuild the newest durable state (or the one at ``stop_step``).
+
+    ``check_full(path, index, state)`` raises if the checkpoint does not fit the caller's objects.
+    Falls back to older full checkpoints when a newer one does not verify. None for a directory
+    with nothing in it; NoCheckpointError when nothing verifies or ``stop_step`` is not retained.
     """
     directory = checkpoint_directory(directory)
     if not os.path.isdir(directory):
         return None
     for _ in range(_ATTEMPTS):
         try:
-            return _restore_once(directory, check_full, apply_full, params_for, optimizer_for, stop_step)
+            return _plan_once(directory, check_full, stop_step)
         except _Moved:
             continue
     raise DirectoryBusyError(f"{directory}: checkpoint files kept disappearing while they were read "
                              f"(a live trainer's retention); try again")
 
 
-def _restore_once(directory, check_full, apply_full, params_for, optimizer_for, stop_step):
+def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for) -> Restored:
+    """Load the plan's full checkpoint with ``apply_full(index, state)`` and replay its chain with
+    ``params_for(index)``/``optimizer_for(index)``. Closes the plan's files."""
+    try:
+        apply_full(plan.index, plan.state)
+        step, last = replay(list(plan.chain), plan.full.step, params_for(plan.index), optimizer_for(plan.index),
+                            stop_step=plan.stop_step, warn=warn)
+    finally:
+        plan.close()
+    if plan.skipped:
+        warn(f"lowdiff: resumed from the older full checkpoint of step {plan.full.step}")
+    if plan.stop_step is not None and step != plan.stop_step:
+        raise NoCheckpointError(f"{plan.directory}: step {plan.stop_step} cannot be rebuilt; the newest "
+                                f"reachable is {step}")
+    return Restored(plan.directory, step, plan.full.step, plan.index, plan.state, last)
+
+
+def _plan_once(directory, check_full, stop_step):
     inventory = take_inventory(directory, skip_other_versions=stop_step is not None)
     for note in inventory.notes:
         warn(f"lowdiff: {note}")
     manifest = inventory.manifest
     if stop_step is not None and not manifest.retains(stop_step):
         raise NoCheckpointError(f"{directory}: step {stop_step} is not retained; {describe_retained(manifest)}")
-    fulls = sorted(manifest.fulls, key=lambda f: f.step, reverse=True)
-    if stop_step is not None:
-        fulls = [f for f in fulls if f.step <= stop_step]
-    problems = []
+    fulls = sorted((f for f in manifest.fulls if stop_step is None or f.step <= stop_step),
+                   key=lambda f: f.step, reverse=True)
+    skipped: list = []
     for full in fulls:
-        path = os.path.join(directory, full.file)
-        try:
-            index, state = load_full(path)
-            check_entry(path, full, index, os.path.getsize(path), manifest.run)
-        except FileNotFoundError:
-            _raise_if_moved(directory, inventory)
-            problems.append(f"{path} is missing")
-            warn(f"lowdiff: full checkpoint {path} is missing; falling back to an older one")
+        loaded = _load_verified(directory, inventory, full, stop_step, skipped)
+        if loaded is None:
             continue
-        except VersionMismatchError as exc:
-            if stop_step is None:
-                raise
-            problems.append(str(exc))
-            warn(f"lowdiff: {exc}; skipped (an older state was asked for)")
-            continue
-        except (CorruptCheckpointError, OSError, EOFError) as exc:
-            problems.append(str(exc))
-            warn(f"lowdiff: full checkpoint {path} does not verify ({exc}); falling back to an older one")
-            continue
-        check_full(path, index, state)
-        chain = _open_chain(directory, inventory, manifest, full.step, stop_step)
-        try:
-            apply_full(index, state)
-            step, last = replay(chain, full.step, params_for(index), optimizer_for(index), stop_step=stop_step,
-                                warn=warn)
-        finally:
-            for _, reader in chain:
-                reader.close()
-        if problems:
-            warn(f"lowdiff: resumed from the older full checkpoint of step {full.step}")
-        if stop_step is not None and step != stop_step:
-            raise NoCheckpointError(f"{directory}: step {stop_step} cannot be rebuilt; the newest reachable is {step}")
-        return Restored(step, full.step, index, state, last)
-    if problems or manifest.batches:
+        index, state = loaded
+        check_full(os.path.join(directory, full.file), index, state)
+        chain = _open_chain(directory, inventory, full.step, stop_step)
+        reach = chain_end(manifest, full.step, [entry for entry, _ in chain])
+        if stop_step is not None and reach < stop_step:
+            _close_all(chain)
+            raise NoCheckpointError(f"{directory}: step {stop_step} cannot be rebuilt: the files after the full "
+                                    f"checkpoint of step {full.step} reach only step {reach}")
+        return RecoveryPlan(directory, full, index, state, tuple(chain), reach, stop_step, tuple(skipped))
+    if skipped or manifest.batches:
         raise NoCheckpointError(f"{directory}: no full checkpoint verifies" +
                                 (f" at or before step {stop_step}" if stop_step is not None else "") +
-                                (": " + "; ".join(problems) if problems else ""))
+                                (": " + "; ".join(why for _, why in skipped) if skipped else ""))
     return None
 
 
-def _open_chain(directory: str, inventory, manifest, base_step: int, stop_step: int | None) -> list:
+def _load_verified(directory, inventory, full, stop_step, skipped: list):
+    """(index, state) of ``full`` if it verifies and is what its entry says; else None, with the
+    reason appended to ``skipped`` and logged."""
+    path = os.path.join(directory, full.file)
+    try:
+        index, state = load_full(path)
+        check_entry(path, full, index, os.path.getsize(path), inventory.manifest.run)
+        return index, state
+    except FileNotFoundError:
+        _raise_if_moved(directory, inventory)
+        why = f"{path} is missing"
+    except VersionMismatchError as exc:
+        if stop_step is None:
+            raise
+        why = f"{exc} (skipped: an older state was asked for)"
+    except (CorruptCheckpointError, OSError, EOFError) as exc:
+        why = f"full checkpoint {path} does not verify ({exc})"
+    skipped.append((full.file, why))
+    warn(f"lowdiff: {why}; falling back to an older one")
+    return None
+
+
+def _open_chain(directory: str, inventory, base_step: int, stop_step: int | None) -> list:
     """[(entry, open BatchReader)] continuing ``base_step`` (up to ``stop_step``). The chain ends
     before a batch that is missing or is not what its entry says (with a warning); a batch whose
     index is damaged (a torn or truncated file) still gives the records that verify."""
     chain = []
-    for entry in plan_chain(manifest, base_step):
+    for entry in plan_chain(inventory.manifest, base_step):
         if stop_step is not None and entry.first > stop_step:
             break
-        path = os.path.join(directory, entry.file)
-        try:
-            reader = BatchReader(path)
-        except FileNotFoundError:
-            _raise_if_moved(directory, inventory)
-            warn(f"lowdiff: {path} is missing; the chain from step {base_step} ends at step {entry.first - 1}")
+        reader = _open_batch(directory, inventory, entry, base_step, stop_step, chain)
+        if reader is None:
             break
-        except VersionMismatchError as exc:
-            if stop_step is None:
-                _close_all(chain)
-                raise
-            warn(f"lowdiff: {exc}; the chain ends before it")
-            break
-        except (CorruptCheckpointError, OSError, EOFError) as exc:
-            warn(f"lowdiff: {exc}; the chain from step {base_step} ends at step {entry.first - 1}")
-            break
-        if reader.index is not None:  # without one, replay checks each record's step and checksum
-            try:
-                check_entry(path, entry, reader.index, reader.size, manifest.run)
-            except CorruptCheckpointError as exc:
-                reader.close()
-                warn(f"lowdiff: {exc}; the chain from step {base_step} ends at step {entry.first - 1}")
-                break
         chain.append((entry, reader))
     return chain
+
+
+def _open_batch(directory, inventory, entry, base_step, stop_step, chain):
+    path = os.path.join(directory, entry.file)
+    ends = f"the chain from step {base_step} ends at step {entry.first - 1}"
+    try:
+        reader = BatchReader(path)
+    except FileNotFoundError:
+        _raise_if_moved(directory, inventory)
+        warn(f"lowdiff: {path} is missing; {ends}")
+        return None
+    except VersionMismatchError as exc:
+        if stop_step is None:
+            _close_all(chain)
+            raise
+        warn(f"lowdiff: {exc}; {ends}")
+        return None
+    except (CorruptCheckpointError, OSError, EOFError) as exc:
+        warn(f"lowdiff: {exc}; {ends}")
+        return None
+    if reader.index is not None:  # without one, replay checks each record's step and checksum
+        try:
+            check_entry(path, entry, reader.index, reader.size, inventory.manifest.run)
+        except CorruptCheckpointError as exc:
+            reader.close()
+            warn(f"lowdiff: {exc}; {ends}")
+            return None
+    return reader
 
 
 def _close_all(chain: list) -> None:

@@ -31,6 +31,16 @@ def restore_grad_scaler(scaler, stored) -> None:
     scaler.load_state_dict(state)
 
 
+def apply_boundary(boundary, model, scheduler, extra_state: dict, grad_scaler, where: str) -> None:
+    """Restore what the iteration boundary holds besides parameters and optimizer state."""
+    capture.restore_buffers(model, boundary.buffers)
+    capture.restore_rng(boundary.rng)
+    if scheduler is not None and boundary.scheduler is not None:
+        scheduler.load_state_dict(boundary.scheduler)
+    capture.load_state_dicts(extra_state, boundary.extra, where)
+    restore_grad_scaler(grad_scaler, boundary.grad_scaler)
+
+
 def _agree(step: int) -> tuple[int, int]:
     """(min, max) of ``step`` over all ranks."""
     values = torch.tensor([step, -step], dtype=torch.int64)
@@ -72,13 +82,8 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
                          extra_state=extra_state)
 
     def apply_full(index, state):
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        capture.load_state_dicts(extra_state, state.get("extra") or {}, f"full checkpoint of step {index['step']}")
-        capture.restore_rng(state["rng"])
-        restore_grad_scaler(grad_scaler, state.get("grad_scaler"))
+        model.load_state_dict(state.model)
+        inner.load_state_dict(state.optimizer)
 
     rank, world = distributed_rank()
     if world > 1:
@@ -103,17 +108,10 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
         if wrapper is not None:
             wrapper._resumed_at(0, None)
         return 0
+    apply_boundary(restored.boundary, model, scheduler, extra_state, grad_scaler,
+                   f"step {restored.step} of {directory}")
     record = restored.last_record
-    if record is not None:
-        objects = record.objects
-        capture.restore_buffers(model, objects["buffers"])
-        capture.restore_rng(objects["rng"])
-        if scheduler is not None and "scheduler" in objects:
-            scheduler.load_state_dict(objects["scheduler"])
-        capture.load_state_dicts(extra_state, objects["extra"], f"record of step {record.step}")
-        if "grad_scaler" in objects:
-            restore_grad_scaler(grad_scaler, objects["grad_scaler"])
-    residuals = restored.full_state.get("residuals") or {}
+    residuals = restored.full_state.residuals
     if record is not None and residuals:
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")

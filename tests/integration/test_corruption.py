@@ -109,8 +109,8 @@ def full_covered(path: str) -> list:
     """Byte ranges of a full checkpoint that hold data (preamble fields, tensors, objects, index,
     trailer); the rest is alignment padding."""
     index = read_full_index(path)
-    return trailer_ranges(path) + [(t["offset"], t["offset"] + t["nbytes"]) for t in index["tensors"]] + \
-        [(index["objects"]["offset"], index["objects"]["offset"] + index["objects"]["nbytes"])]
+    return trailer_ranges(path) + [(t.offset, t.offset + t.nbytes) for t in index.tensors] + \
+        [(index.objects.offset, index.objects.offset + index.objects.nbytes)]
 
 
 def batch_records(path: str) -> list:
