@@ -9,6 +9,8 @@ consumes exactly them. The gradient handed to the optimizer is therefore sparse 
 ranks' selections); ``step()`` records its nonzero entries, which reproduce it exactly (the sum never
 yields -0.0: it starts from +0.0 and IEEE addition of opposite values gives +0.0).
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -75,3 +77,8 @@ class AggregatedRecorder:
 
     def __repr__(self):
         return f"AggregatedRecorder(sparse={self.sparse})"
+
+
+def rank_directory(directory, rank: int) -> str:
+    """Where rank ``rank`` of a multi-process run keeps its stream."""
+    return os.path.join(os.fspath(directory), f"rank-{rank:05d}")

@@ -26,8 +26,10 @@ from .errors import CorruptCheckpointError, DirectoryBusyError, ForeignFileError
 from .format import FullIndex
 from .manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest
 
-# Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND") and write_manifest ("MANIFEST.json.tmp-PID").
-TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd])\.tmp-(\d+)-[0-9a-f]+$|^MANIFEST\.json\.tmp-(\d+)$")
+# Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND", for checkpoint files and the
+# manifest) and by lowdiff before the manifest went through fastio ("MANIFEST.json.tmp-PID").
+TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json)\.tmp-(\d+)-[0-9a-f]+$"
+                     r"|^MANIFEST\.json\.tmp-(\d+)$")
 _READ_ATTEMPTS = 5
 
 

@@ -14,6 +14,8 @@ import os
 import re
 import zlib
 
+import fastio
+
 from . import faults
 from .errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError
 
@@ -152,25 +154,11 @@ def describe_retained(manifest: Manifest) -> str:
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:
-    from fastio._files import fsync_directory
-
-    path = os.path.join(directory, MANIFEST_NAME)
-    tmp = path + f".tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        data = manifest.to_json()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    faults.point("manifest-write")
-    os.replace(tmp, path)
-    fsync_directory(directory)
+    """Commit ``manifest`` with the one commit protocol every lowdiff file uses (fastio.Writer:
+    temporary file, fdatasync, rename over MANIFEST.json, directory fsync)."""
+    with fastio.Writer(os.path.join(directory, MANIFEST_NAME), priority=fastio.URGENT) as writer:
+        writer.write(manifest.to_json())
+        faults.point("manifest-write")
 
 
 def read_manifest(directory: str) -> Manifest | None:
