@@ -9,12 +9,17 @@ replay after a failure; its minimum is at F* = sqrt(2*S / (T*lambda*r)). F never
 ceil(P/T), so a full checkpoint finishes persisting before the next one is due. The batch size
 is the smallest B whose write keeps the writer below half busy: W(B) <= B*T/2; a smaller B loses
 less on a crash (at most about two batches).
+
+Thread safety: the training thread, the diff-writer thread and the full-writer thread all report
+to one Controller; one lock guards every method. ``full_every`` and ``batch_steps`` are read as
+plain attributes, without it: each is one int, replaced whole.
 """
 from __future__ import annotations
 
 import collections
 import math
 import statistics
+import threading
 import time
 
 AUTO_INITIAL_FULL_EVERY = 50
@@ -36,7 +41,10 @@ class _Mean:
 
 
 class Controller:
+    """The measurements of one run and the settings chosen from them (see the module docstring)."""
+
     def __init__(self, config):
+        self._lock = threading.Lock()
         self.auto_full = config.full_every == "auto"
         self.auto_batch = config.batch_steps == "auto"
         self.full_every = AUTO_INITIAL_FULL_EVERY if self.auto_full else config.full_every
@@ -54,29 +62,38 @@ class Controller:
 
     # measurements -----------------------------------------------------------
     def step_finished(self, optimizer_step_s: float) -> None:
+        """Training thread, after each optimizer step."""
         now = time.perf_counter()
-        if self._last_step_end is not None:
-            self.step_s.add(now - self._last_step_end)
-        self._last_step_end = now
-        self.optimizer_step_s.add(optimizer_step_s)
+        with self._lock:
+            if self._last_step_end is not None:
+                self.step_s.add(now - self._last_step_end)
+            self._last_step_end = now
+            self.optimizer_step_s.add(optimizer_step_s)
 
     def full_taken(self, stall_s: float) -> None:
-        self.stall_s.add(stall_s)
-        self.samples["full_stall_s"].append(stall_s)
-        self._last_step_end = None  # the stall is not part of a normal step
+        """Training thread, when a full checkpoint's stall has ended."""
+        with self._lock:
+            self.stall_s.add(stall_s)
+            self.samples["full_stall_s"].append(stall_s)
+            self._last_step_end = None  # the stall is not part of a normal step
 
     def full_persisted(self, persist_s: float) -> None:
-        self.persist_s.add(persist_s)
-        self.samples["full_persist_s"].append(persist_s)
-        self._update()
+        """Full-writer thread, when a full checkpoint is committed."""
+        with self._lock:
+            self.persist_s.add(persist_s)
+            self.samples["full_persist_s"].append(persist_s)
+            self._update_locked()
 
     def batch_written(self, steps: int, write_s: float) -> None:
-        self.batch_write_s_per_step.add(write_s / max(steps, 1))
-        self.samples["batch_write_s"].append(write_s)
-        self._update()
+        """Diff-writer thread, when a batch of ``steps`` records is committed."""
+        with self._lock:
+            self.batch_write_s_per_step.add(write_s / max(steps, 1))
+            self.samples["batch_write_s"].append(write_s)
+            self._update_locked()
 
     # decisions --------------------------------------------------------------
-    def _update(self) -> None:
+    def _update_locked(self) -> None:
+        """Choose ``full_every``/``batch_steps`` again. The caller holds the lock."""
         step_s = self.step_s.value
         if not step_s:
             return
@@ -93,16 +110,19 @@ class Controller:
 
     def stats(self) -> dict:
         """Median and max of the recent samples, in milliseconds, and how many there were."""
+        with self._lock:
+            samples = {name: list(values) for name, values in self.samples.items()}
         out = {}
-        for name, values in self.samples.items():
+        for name, values in samples.items():
             key = name.removesuffix("_s")
-            values = list(values)
             out[f"{key}_count"] = len(values)
             out[f"{key}_median_ms"] = statistics.median(values) * 1e3 if values else None
             out[f"{key}_max_ms"] = max(values) * 1e3 if values else None
         return out
 
     def describe(self) -> dict:
-        return {"full_every": self.full_every, "batch_steps": self.batch_steps,
-                "auto_full": self.auto_full, "auto_batch": self.auto_batch,
-                "step_s": self.step_s.value, "stall_s": self.stall_s.value, "persist_s": self.persist_s.value}
+        """The settings in force and the averages they were chosen from."""
+        with self._lock:
+            return {"full_every": self.full_every, "batch_steps": self.batch_steps,
+                    "auto_full": self.auto_full, "auto_batch": self.auto_batch,
+                    "step_s": self.step_s.value, "stall_s": self.stall_s.value, "persist_s": self.persist_s.value}

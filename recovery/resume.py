@@ -106,7 +106,7 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
         raise CheckpointError(f"ranks could not agree on a step to resume from (last try: {low}..{high})")
     if restored is None:
         if wrapper is not None:
-            wrapper._resumed_at(0, None)
+            wrapper.continue_after(0)
         return 0
     apply_boundary(restored.boundary, model, scheduler, extra_state, grad_scaler,
                    f"step {restored.step} of {directory}")
@@ -117,5 +117,5 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
         residuals = {}
     if wrapper is not None:
-        wrapper._resumed_at(restored.step, {int(k): v.clone() for k, v in residuals.items()})
+        wrapper.continue_after(restored.step, {int(k): v.clone() for k, v in residuals.items()})
     return restored.step

@@ -1,0 +1,138 @@
+"""lowdiff.session: the checkpoint session of one wrapped optimizer — its directory (the store),
+the background writers of differential batches and full checkpoints, the controller that sets
+their pace, when full checkpoints are taken, and durability (flush, close, sticky write errors).
+
+It never looks at the training objects: the step's record and the full checkpoint's state are
+built by lowdiff.stepcapture and handed over here.
+"""
+from __future__ import annotations
+
+from .background import DiffWriter, FullWriter
+from .controller import Controller
+from .errors import CheckpointError
+from .store import CheckpointStore
+
+
+class CheckpointSession:
+    """Writers, store and controller of one run, used from the training thread in this order:
+
+    * each step: ``check_writers`` before anything changes; ``take_base`` at the first step (after
+      ``check_can_start``); ``fulls.release()`` before the optimizer changes the state;
+      ``diffs.put(record)``; then ``full_checkpoint_due`` -> ``take_full`` or ``prepare_staging``;
+      on failure, ``step_failed``.
+    * ``flush`` at will; ``close_writers`` then ``close_store`` once, at the end.
+
+    A failed background write is sticky: ``check_writers``, ``flush`` and ``close_writers`` raise
+    it, with its original type, on every call until the session is closed (and after).
+    """
+
+    def __init__(self, directory, config, engine=None):
+        self.config = config
+        self.controller = Controller(config)
+        self.store = CheckpointStore(directory, config.keep_full)
+        self.directory = self.store.directory
+        self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine)
+        self.fulls = FullWriter(self.store, self.controller, engine)
+        self.closed = False
+        self.base_taken = False
+        self._resumed = False
+        self._last_full_step = 0
+        self._full_due = False            # take a full checkpoint at the end of this step
+        self._staging_prepared = False
+
+    # ------------------------------------------------------------ scheduling full checkpoints
+    def mark_resumed(self) -> None:
+        """The run continues from a restored step: the directory's later steps may be overwritten.
+        Only before the base checkpoint (the first step)."""
+        if self.base_taken:
+            raise CheckpointError("resume must happen before the first step() of a lowdiff optimizer")
+        self._resumed = True
+
+    def check_can_start(self, step: int) -> None:
+        """Refuse to start recording after ``step`` over a directory that holds later steps, unless
+        this run resumed from it or was wrapped with overwrite=True."""
+        latest = self.store.latest_step()
+        if not self._resumed and latest > step and not self.config.overwrite:
+            raise CheckpointError(
+                f"{self.directory} already holds checkpoints up to step {latest}; call "
+                f"recovery.resume(directory, model, optimizer) before training, or wrap(..., overwrite=True)")
+
+    def force_full(self) -> None:
+        """Take a full checkpoint at the end of the current step (or of the next one, if this
+        one has passed that point), whatever ``full_every`` says."""
+        self._full_due = True
+
+    def full_checkpoint_due(self, step: int) -> bool:
+        """Whether a full checkpoint ends ``step``: forced, or ``full_every`` steps since the last
+        one. A forced one counts as taken once this has said so."""
+        if self._full_due or step - self._last_full_step >= self.controller.full_every:
+            self._full_due = False
+            return True
+        return False
+
+    def take_full(self, step: int, state: dict, meta: dict, base: bool) -> None:
+        """Persist ``state`` (see lowdiff.stepcapture) as the full checkpoint of ``step`` in the
+        background; ``base`` for the first one of this run."""
+        self._last_full_step = step
+        self.fulls.take(step, state, meta, base)
+        # Close the batch ending at this step, so the chain from the previous full checkpoint
+        # reaches it (queued before any later record).
+        self.diffs.seal()
+        if base:
+            self.base_taken = True
+
+    def prepare_staging(self, payload_bytes) -> None:
+        """Once, after the first step that took no full checkpoint: optimizer state exists then
+        (Adam creates it lazily), so size staging for it off-thread. ``payload_bytes()`` says how much."""
+        if not self._staging_prepared:
+            self._staging_prepared = True
+            self.fulls.prepare(payload_bytes())
+
+    def step_failed(self, recorded: bool) -> None:
+        """A step failed after the optimizer changed the state. The state moved past what the
+        records hold: end the batch before the gap (unless the step's record was queued), and take
+        a full checkpoint at the end of the next step so that resuming is exact from there."""
+        self._full_due = True
+        if not recorded:
+            self.diffs.seal()
+
+    # ------------------------------------------------------------ durability
+    def check_writers(self) -> None:
+        """Re-raise a background write error (sticky: until this optimizer is closed)."""
+        self.diffs.check()
+        self.fulls.check()
+
+    def durable_step(self) -> int:
+        """The newest step that is on disk and can be resumed (-1 before the first commit)."""
+        return self.store.durable_step()
+
+    def flush(self) -> None:
+        """Block until every recorded step (and any full checkpoint in progress) is durable.
+        Raises the error of a failed background write (every time: checkpointing has stopped)."""
+        if self.closed:
+            self.check_writers()
+            return
+        self.diffs.flush()
+        self.fulls.wait()
+        self.check_writers()
+
+    def close_writers(self) -> None:
+        """Write what is pending, stop the background threads, raise a failed write's error.
+        ``close_store`` must follow, whatever this raises."""
+        try:
+            self.diffs.close()
+        finally:
+            self.fulls.close()
+        self.check_writers()
+
+    def close_store(self) -> None:
+        """Release the directory (its lock). Ends the session."""
+        self.closed = True
+        self.store.close()
+
+    def stats(self, step: int, outside_changes: int) -> dict:
+        """See LowDiffOptimizer.stats."""
+        return {"step": step, "full_every": self.controller.full_every,
+                "batch_steps": self.controller.batch_steps, "background_copy": self.fulls.background_copy,
+                "outside_changes": outside_changes,
+                **self.controller.stats()}
