@@ -1,16 +1,14 @@
 """recovery.resume: restore live training objects to the newest durable step."""
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import torch
-
 import torch.distributed as dist
 
-from lowdiff import capture
-from lowdiff.ddp import distributed_rank
+from lowdiff import LowDiffOptimizer, capture
+from lowdiff.ddp import distributed_rank, rank_directory
 from lowdiff.errors import CheckpointError
-from lowdiff.wrapper import LowDiffOptimizer, rank_directory
 
 from .compat import check_compatible
 from .restore import checkpoint_directory, restore, warn
@@ -62,60 +60,80 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
     step and reset to zero otherwise (with a warning).
     """
     directory = checkpoint_directory(directory)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be the optimizer lowdiff.wrap returned (or a torch.optim.Optimizer), "
-                        f"got {type(optimizer).__name__}")
-    wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
-    inner = wrapper.optimizer if wrapper else optimizer
-    if wrapper is not None:
-        scheduler = scheduler or wrapper.scheduler
-        extra_state = extra_state or wrapper.extra_state
-        grad_scaler = grad_scaler or wrapper.grad_scaler
-    extra_state = extra_state or {}
-    model = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
-    params = [p for group in inner.param_groups for p in group["params"]]
-
-    def check_full(path, index, state):
-        check_compatible(path, index, state, model, inner, compressor=wrapper.compressor if wrapper else None,
-                         extra_state=extra_state)
-
-    def apply_full(index, state):
-        model.load_state_dict(state.model)
-        inner.load_state_dict(state.optimizer)
-
+    targets = _Targets.of(model, optimizer, scheduler, extra_state, grad_scaler)
     rank, world = distributed_rank()
     if world > 1:
         directory = rank_directory(directory, rank)
-    stop_step = None
-    for _ in range(3):
-        restored = restore(directory, check_full=check_full, apply_full=apply_full, params_for=lambda index: params,
-                           optimizer_for=lambda index: inner, stop_step=stop_step)
-        if world == 1:
-            break
-        # All ranks must resume at the same step: the smallest any rank can reach.
-        low, high = _agree(restored.step if restored else 0)
-        if low == high:
-            break
-        if low == 0:
-            raise CheckpointError(f"{directory}: some ranks have no checkpoint to resume from while "
-                                  f"others reach step {high}")
-        stop_step = low
-    else:
-        raise CheckpointError(f"ranks could not agree on a step to resume from (last try: {low}..{high})")
+    restored = _restore_agreed(directory, targets, world)
+    wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:
             wrapper.continue_after(0)
         return 0
-    apply_boundary(restored.boundary, model, scheduler, extra_state, grad_scaler,
+    apply_boundary(restored.boundary, targets.model, targets.scheduler, targets.extra_state, targets.grad_scaler,
                    f"step {restored.step} of {directory}")
-    record = restored.last_record
     residuals = restored.full_state.residuals
-    if record is not None and residuals:
+    if restored.last_record is not None and residuals:
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
         residuals = {}
     if wrapper is not None:
         wrapper.continue_after(restored.step, {int(k): v.clone() for k, v in residuals.items()})
     return restored.step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Targets:
+    """The live objects resume restores (a wrapper supplies what the caller did not pass)."""
+
+    model: torch.nn.Module
+    inner: torch.optim.Optimizer
+    wrapper: LowDiffOptimizer | None
+    scheduler: object
+    extra_state: dict
+    grad_scaler: object
+
+    @classmethod
+    def of(cls, model, optimizer, scheduler, extra_state, grad_scaler) -> "_Targets":
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be the optimizer lowdiff.wrap returned (or a torch.optim.Optimizer), "
+                            f"got {type(optimizer).__name__}")
+        wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
+        if wrapper is not None:
+            scheduler = scheduler or wrapper.scheduler
+            extra_state = extra_state or wrapper.extra_state
+            grad_scaler = grad_scaler or wrapper.grad_scaler
+        inner = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+        return cls(inner, wrapper.optimizer if wrapper else optimizer, wrapper, scheduler, extra_state or {},
+                   grad_scaler)
+
+    def check_full(self, path, index, state) -> None:
+        check_compatible(path, index, state, self.model, self.inner,
+                         compressor=self.wrapper.compressor if self.wrapper else None, extra_state=self.extra_state)
+
+    def apply_full(self, index, state) -> None:
+        self.model.load_state_dict(state.model)
+        self.inner.load_state_dict(state.optimizer)
+
+    def params(self, index) -> list:
+        return [p for group in self.inner.param_groups for p in group["params"]]
+
+
+def _restore_agreed(directory: str, targets: _Targets, world: int):
+    """Restore; with several ranks, repeat at the smallest step every rank reaches until all agree."""
+    stop_step = None
+    for _ in range(3):
+        restored = restore(directory, check_full=targets.check_full, apply_full=targets.apply_full,
+                           params_for=targets.params, optimizer_for=lambda index: targets.inner, stop_step=stop_step)
+        if world == 1:
+            return restored
+        low, high = _agree(restored.step if restored else 0)
+        if low == high:
+            return restored
+        if low == 0:
+            raise CheckpointError(f"{directory}: some ranks have no checkpoint to resume from while "
+                                  f"others reach step {high}")
+        stop_step = low
+    raise CheckpointError(f"ranks could not agree on a step to resume from (last try: {low}..{high})")
