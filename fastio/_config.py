@@ -41,7 +41,7 @@ class FastioConfig:
                 raise ValueError(f"FastioConfig.{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def from_env(cls, **overrides) -> "FastioConfig":
+    def from_env(cls, **overrides) -> FastioConfig:
         """Defaults, then FASTIO_* environment variables, then explicit arguments (which win)."""
         values = {}
         env_backend = os.environ.get("FASTIO_BACKEND")

@@ -86,7 +86,9 @@ class AlignedBuffer:
         count = self.nbytes if nbytes is None else nbytes
         if count > self.capacity_bytes:
             raise ValueError(f"{count} bytes exceed the buffer's {self.capacity_bytes}")
-        return torch.frombuffer(self._view, dtype=torch.uint8, count=count) if count else torch.empty(0, dtype=torch.uint8)
+        if not count:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._view, dtype=torch.uint8, count=count)
 
 
 def aligned_buffer(nbytes: int, populate: bool = False) -> AlignedBuffer:

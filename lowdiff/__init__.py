@@ -1,8 +1,16 @@
 """lowdiff: per-iteration checkpointing for PyTorch with exact resume."""
 from .compress import Dense, TopK
-from .errors import (CheckpointError, CheckpointFileError, CheckpointLockedError, CorruptCheckpointError,
-                     DirectoryBusyError, ForeignFileError, IncompatibleCheckpointError, NoCheckpointError,
-                     VersionMismatchError)
+from .errors import (
+                     CheckpointError,
+                     CheckpointFileError,
+                     CheckpointLockedError,
+                     CorruptCheckpointError,
+                     DirectoryBusyError,
+                     ForeignFileError,
+                     IncompatibleCheckpointError,
+                     NoCheckpointError,
+                     VersionMismatchError,
+)
 from .wrapper import LowDiffOptimizer, wrap
 
 __all__ = ["CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",

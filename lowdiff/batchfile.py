@@ -82,7 +82,8 @@ class BatchReader:
         """Decode the record at ``position`` of the entry list (verifies its checksum)."""
         step, offset, nbytes = self.entries[position]
         if offset + nbytes > self._reader.size:
-            raise CorruptCheckpointError(self.path, f"record of step {step} at offset {offset} runs past the end of the file")
+            raise CorruptCheckpointError(self.path, f"record of step {step} at offset {offset} runs past the end "
+                                                    f"of the file")
         data = bytearray(nbytes)
         self._reader.read_into(offset, data)
         return decode_record(data, self.path, offset, expected_step=step)

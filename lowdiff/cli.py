@@ -117,7 +117,8 @@ def cmd_verify(args) -> int:
         try:
             check(path, entry, manifest.run)
             checked += 1
-            print(f"ok       {entry.file}" + ("  (adopted: not listed in the manifest)" if entry.file in inventory.adopted else ""))
+            adopted = "  (adopted: not listed in the manifest)" if entry.file in inventory.adopted else ""
+            print(f"ok       {entry.file}{adopted}")
         except FileNotFoundError as exc:
             if entry.file not in take_inventory(directory, skip_other_versions=True).manifest.files():
                 print(f"gone     {entry.file} (retired by the trainer writing this directory)")

@@ -96,7 +96,7 @@ class TensorEntry(Checksummed):
                 "nbytes": self.nbytes, **self.checksum_json()}
 
     @classmethod
-    def from_json(cls, path: str, obj, position: int) -> "TensorEntry":
+    def from_json(cls, path: str, obj, position: int) -> TensorEntry:
         fields = _Fields(path, obj, f"tensor entry #{position}")
         key, dtype = fields.get("key", str), fields.get("dtype", str)
         shape = fields.get("shape", list)
@@ -114,7 +114,7 @@ class Section(Checksummed):
         return {"offset": self.offset, "nbytes": self.nbytes, **self.checksum_json()}
 
     @classmethod
-    def from_json(cls, path: str, obj, what: str) -> "Section":
+    def from_json(cls, path: str, obj, what: str) -> Section:
         fields = _Fields(path, obj, what)
         return cls(fields.count("offset"), fields.count("nbytes"), *cls.checksums(fields))
 
@@ -142,7 +142,7 @@ class FullIndex:
                 "optimizer_class": self.optimizer_class, "compressor": self.compressor}
 
     @classmethod
-    def from_json(cls, path: str, obj, file_bytes: int) -> "FullIndex":
+    def from_json(cls, path: str, obj, file_bytes: int) -> FullIndex:
         fields = check_header(path, obj, "full")
         payload_bytes = fields.count("payload_bytes")
         if payload_bytes % PAGE or PAYLOAD_OFFSET + payload_bytes > file_bytes:
@@ -190,7 +190,7 @@ class BatchIndex:
                 "first": self.first, "last": self.last, "records": [list(r) for r in self.records]}
 
     @classmethod
-    def from_json(cls, path: str, obj, records_end: int) -> "BatchIndex":
+    def from_json(cls, path: str, obj, records_end: int) -> BatchIndex:
         fields = check_header(path, obj, "diff")
         first, last = fields.count("first"), fields.count("last")
         records, expected_offset = [], None
@@ -226,9 +226,10 @@ class GradMeta:
         return out + [self.width] if self.kind == "sparse" else out
 
     @classmethod
-    def from_json(cls, path: str, item, where: str) -> "GradMeta":
+    def from_json(cls, path: str, item, where: str) -> GradMeta:
         if not isinstance(item, list) or len(item) not in (4, 5):
-            raise CorruptCheckpointError(path, f"{where}: gradient entry {item!r} is not [kind, numel, nnz, dtype, width?]")
+            raise CorruptCheckpointError(path, f"{where}: gradient entry {item!r} is not "
+                                               f"[kind, numel, nnz, dtype, width?]")
         kind, numel, nnz, dtype, *rest = item
         width = rest[0] if rest else (4 if kind == "sparse" else None)  # u32 deltas before widths existed
         ok = kind in ("dense", "sparse", "none") and all(isinstance(v, int) and v >= 0 for v in (numel, nnz)) \
@@ -252,7 +253,7 @@ class RecordMeta:
                 "grads": [g.to_json() for g in self.grads]}
 
     @classmethod
-    def from_json(cls, path: str, obj, where: str) -> "RecordMeta":
+    def from_json(cls, path: str, obj, where: str) -> RecordMeta:
         fields = _Fields(path, obj, f"{where} metadata")
         skipped = fields.get("skipped", bool)
         grads = tuple(GradMeta.from_json(path, g, where) for g in fields.get("grads", list))
@@ -284,7 +285,7 @@ class StepState:
         return out
 
     @classmethod
-    def from_objects(cls, path: str, obj, where: str) -> "StepState":
+    def from_objects(cls, path: str, obj, where: str) -> StepState:
         fields = _Fields(path, obj, f"{where} objects")
         return cls(fields.get("groups_used", list), fields.get("groups_after", list), fields.get("rng", dict),
                    fields.get("buffers", dict), fields.get("extra", dict),
@@ -308,7 +309,7 @@ class FullState:
                 "extra": self.extra, "rng": self.rng, "residuals": self.residuals, "grad_scaler": self.grad_scaler}
 
     @classmethod
-    def from_tree(cls, path: str, obj) -> "FullState":
+    def from_tree(cls, path: str, obj) -> FullState:
         fields = _Fields(path, obj, "state skeleton")
         optimizer = fields.get("optimizer", dict)
         if not isinstance(optimizer.get("param_groups"), list) or not isinstance(optimizer.get("state"), dict):

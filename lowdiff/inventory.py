@@ -112,7 +112,8 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
                                                                              if FULL_RE.match(n)]))
     if foreign:  # (the same run's manifest listing none of the files is merely stale: adopted below)
         notes.append(f"{os.path.join(directory, MANIFEST_NAME)} lists none of the {len(checkpoint_names)} "
-                     f"checkpoint files in {directory} (a manifest of another directory?); rebuilt the list from the files")
+                     f"checkpoint files in {directory} (a manifest of another directory?); "
+                     f"rebuilt the list from the files")
         committed = None
     if committed is None:
         if data is None and checkpoint_names:
@@ -239,7 +240,8 @@ def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
         if full != isinstance(index, FullIndex):
             problems.append(f"it is a {'full checkpoint' if not full else 'differential batch'}, the manifest "
                             f"lists a {'full checkpoint' if full else 'differential batch'}")
-        wanted = {"session": entry.session, **({"step": entry.step} if full else {"first": entry.first, "last": entry.last})}
+        steps = {"step": entry.step} if full else {"first": entry.first, "last": entry.last}
+        wanted = {"session": entry.session, **steps}
         if run is not None and index.run is not None:
             wanted["run"] = run
         for key, value in wanted.items():

@@ -81,7 +81,7 @@ class Manifest:
         return {f.file for f in self.fulls} | {b.file for b in self.batches}
 
     @classmethod
-    def from_json(cls, data: bytes, path: str) -> "Manifest":
+    def from_json(cls, data: bytes, path: str) -> Manifest:
         try:
             outer = json.loads(data)
         except ValueError as exc:
@@ -97,7 +97,8 @@ class Manifest:
             if zlib.crc32(text.encode()) != outer["crc32"]:
                 raise CorruptCheckpointError(path, "manifest checksum mismatch")
             if body.get("version") != MANIFEST_VERSION:
-                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, this lowdiff reads version {MANIFEST_VERSION}")
+                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, this lowdiff reads "
+                                                 f"version {MANIFEST_VERSION}")
             run = body.get("run")
             if run is not None and not isinstance(run, str):
                 raise TypeError(f"run is {run!r}")

@@ -29,7 +29,8 @@ def export(directory, output, *, step: int | None = None) -> int:
     def check_full(path, index, state):
         missing = [n for n in index.param_names if n not in state.model]
         if missing:
-            raise CorruptCheckpointError(path, f"its index names optimizer parameters its model state lacks: {missing[:4]}")
+            raise CorruptCheckpointError(path, f"its index names optimizer parameters its model state lacks: "
+                                               f"{missing[:4]}")
         _optimizer_class(index.optimizer_class)
 
     def apply_full(index, state):

@@ -94,7 +94,7 @@ class _Targets:
     grad_scaler: object
 
     @classmethod
-    def of(cls, model, optimizer, scheduler, extra_state, grad_scaler) -> "_Targets":
+    def of(cls, model, optimizer, scheduler, extra_state, grad_scaler) -> _Targets:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
