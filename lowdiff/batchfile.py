@@ -80,12 +80,21 @@ class BatchReader:
 
     def read_record(self, position: int):
         """Decode the record at ``position`` of the entry list (verifies its checksum)."""
+        return self.decode_record(position, self.read_record_bytes(position))
+
+    def read_record_bytes(self, position: int) -> bytearray:
+        """The bytes of the record at ``position``, unverified (``decode_record`` checks them)."""
         step, offset, nbytes = self.entries[position]
         if offset + nbytes > self._reader.size:
             raise CorruptCheckpointError(self.path, f"record of step {step} at offset {offset} runs past the end "
                                                     f"of the file")
         data = bytearray(nbytes)
         self._reader.read_into(offset, data)
+        return data
+
+    def decode_record(self, position: int, data):
+        """Verify and decode ``data``, the bytes of the record at ``position``."""
+        step, offset, _ = self.entries[position]
         return decode_record(data, self.path, offset, expected_step=step)
 
     def close(self) -> None:

@@ -11,8 +11,10 @@ deletes meanwhile stays readable through its open descriptor.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
+import time
 
 from lowdiff.apply import apply_record
 from lowdiff.errors import CorruptCheckpointError
@@ -20,8 +22,19 @@ from lowdiff.errors import CorruptCheckpointError
 _END = object()
 
 
+@dataclasses.dataclass
+class ReplayTimes:
+    """Where replay spent its time, in seconds: reading record bytes, verifying and decoding them
+    (both on the reader thread, overlapping the apply), applying them through the optimizer."""
+
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    apply_s: float = 0.0
+    records: int = 0
+
+
 def _read_chain(chain: list, first_step: int, stop_step: int | None, out: queue.Queue,
-                cancel: threading.Event) -> None:
+                cancel: threading.Event, times: ReplayTimes) -> None:
     """``chain``: [(manifest entry, open BatchReader)] in step order."""
     expected = first_step
     try:
@@ -36,7 +49,13 @@ def _read_chain(chain: list, first_step: int, stop_step: int | None, out: queue.
                     return
                 if step != expected:
                     raise CorruptCheckpointError(reader.path, f"holds step {step} where step {expected} was expected")
-                out.put(("record", reader.read_record(position)))
+                started = time.perf_counter()
+                data = reader.read_record_bytes(position)
+                read = time.perf_counter()
+                record = reader.decode_record(position, data)
+                times.read_s += read - started
+                times.decode_s += time.perf_counter() - read
+                out.put(("record", record))
                 expected += 1
             if reader.steps and reader.steps[-1] < entry.last:
                 raise CorruptCheckpointError(reader.path, f"ends at step {reader.steps[-1]} but the manifest "
@@ -49,13 +68,14 @@ def _read_chain(chain: list, first_step: int, stop_step: int | None, out: queue.
 
 
 def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None,
-           prefetch_records: int = 4):
+           prefetch_records: int = 4, times: ReplayTimes | None = None):
     """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]).
-    Returns (last step, its record)."""
+    Returns (last step, its record); adds where the time went to ``times``."""
+    times = times if times is not None else ReplayTimes()
     records: queue.Queue = queue.Queue(maxsize=prefetch_records)
     cancel = threading.Event()
     reader = threading.Thread(target=_read_chain, name="lowdiff-replay-reader", daemon=True,
-                              args=(chain, base_step + 1, stop_step, records, cancel))
+                              args=(chain, base_step + 1, stop_step, records, cancel, times))
     reader.start()
     step, last = base_step, None
     try:
@@ -71,7 +91,10 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
             elif kind == "error":
                 warn(f"lowdiff: {value}; resuming at step {step}, the last step that verifies")
             else:
+                started = time.perf_counter()
                 apply_record(value, params, optimizer)
+                times.apply_s += time.perf_counter() - started
+                times.records += 1
                 step, last = value.step, value
     finally:
         cancel.set()

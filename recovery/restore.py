@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError, DirectoryBusyError, NoCheckpointError, VersionMismatchError
@@ -20,7 +21,7 @@ from lowdiff.fullckpt import load_full
 from lowdiff.inventory import check_entry, take_inventory
 from lowdiff.manifest import MANIFEST_NAME, FullEntry, chain_end, describe_retained, plan_chain
 
-from .replay import replay
+from .replay import ReplayTimes, replay
 
 log = logging.getLogger("lowdiff")
 _ATTEMPTS = 5   # re-reads of the directory when a live trainer's retention moved a file away
@@ -42,6 +43,8 @@ class RecoveryPlan:
     reach_step: int            # the last step the chain's files list (records may still fail to verify)
     stop_step: int | None      # the target, None for the newest
     skipped: tuple             # (file, why) of newer files that were not used
+    newest_step: int           # the newest step the directory's files reach (what resuming earlier abandons)
+    load_s: float              # time spent reading and verifying the full checkpoint
 
     def close(self) -> None:
         for _, reader in self.chain:
@@ -56,6 +59,11 @@ class Restored:
     full_index: FullIndex
     full_state: FullState
     last_record: object        # the record of ``step`` (None when step == full_step)
+    skipped: tuple = ()        # (file, why) of newer full checkpoints that were not used
+    full_file: str = ""        # the full checkpoint's file name
+    newest_step: int = -1      # the newest step the directory's files reach
+    load_s: float = 0.0        # reading and verifying the full checkpoint
+    times: ReplayTimes = dataclasses.field(default_factory=ReplayTimes)
 
     @property
     def boundary(self) -> StepState:
@@ -112,10 +120,11 @@ def plan_recovery(directory: str, *, check_full, stop_step: int | None = None) -
 def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for) -> Restored:
     """Load the plan's full checkpoint with ``apply_full(index, state)`` and replay its chain with
     ``params_for(index)``/``optimizer_for(index)``. Closes the plan's files."""
+    times = ReplayTimes()
     try:
         apply_full(plan.index, plan.state)
         step, last = replay(list(plan.chain), plan.full.step, params_for(plan.index), optimizer_for(plan.index),
-                            stop_step=plan.stop_step, warn=warn)
+                            stop_step=plan.stop_step, warn=warn, times=times)
     finally:
         plan.close()
     if plan.skipped:
@@ -123,7 +132,8 @@ def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for) -> Res
     if plan.stop_step is not None and step != plan.stop_step:
         raise NoCheckpointError(f"{plan.directory}: step {plan.stop_step} cannot be rebuilt; the newest "
                                 f"reachable is {step}")
-    return Restored(plan.directory, step, plan.full.step, plan.index, plan.state, last)
+    return Restored(plan.directory, step, plan.full.step, plan.index, plan.state, last, plan.skipped,
+                    plan.full.file, plan.newest_step, plan.load_s, times)
 
 
 def _plan_once(directory, check_full, stop_step):
@@ -137,9 +147,11 @@ def _plan_once(directory, check_full, stop_step):
                    key=lambda f: f.step, reverse=True)
     skipped: list = []
     for full in fulls:
+        started = time.perf_counter()
         loaded = _load_verified(directory, inventory, full, stop_step, skipped)
         if loaded is None:
             continue
+        load_s = time.perf_counter() - started
         index, state = loaded
         check_full(os.path.join(directory, full.file), index, state)
         chain = _open_chain(directory, inventory, full.step, stop_step)
@@ -148,7 +160,8 @@ def _plan_once(directory, check_full, stop_step):
             _close_all(chain)
             raise NoCheckpointError(f"{directory}: step {stop_step} cannot be rebuilt: the files after the full "
                                     f"checkpoint of step {full.step} reach only step {reach}")
-        return RecoveryPlan(directory, full, index, state, tuple(chain), reach, stop_step, tuple(skipped))
+        return RecoveryPlan(directory, full, index, state, tuple(chain), reach, stop_step, tuple(skipped),
+                            manifest.durable_step(), load_s)
     if skipped or manifest.batches:
         raise NoCheckpointError(f"{directory}: no full checkpoint verifies" +
                                 (f" at or before step {stop_step}" if stop_step is not None else "") +

@@ -46,30 +46,75 @@ def _agree(step: int) -> tuple[int, int]:
     return int(values[0]), int(-values[1])
 
 
-def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extra_state=None,
-           grad_scaler=None) -> int:
+class Resumed(int):
+    """What ``resume`` returns: the number of completed steps (an int, usable as ``range(start,
+    ...)``), with what recovery did as attributes:
+
+    ``full_step``/``full_file`` the full checkpoint it started from (-1/"" when there was none);
+    ``replayed`` how many differentials it applied; ``skipped`` ((file, why), ...) newer full
+    checkpoints it could not use; ``abandoned`` newer steps of the directory it did not go to (they
+    are dropped when a wrapped optimizer commits its first full checkpoint); ``load_s``,
+    ``read_s``, ``decode_s``, ``apply_s`` where the time went (seconds; read and decode overlap
+    the apply).
+    """
+
+    full_step: int
+    full_file: str
+    replayed: int
+    skipped: tuple
+    abandoned: tuple
+    load_s: float
+    read_s: float
+    decode_s: float
+    apply_s: float
+
+    def __new__(cls, step: int, restored=None):
+        self = super().__new__(cls, step)
+        times = getattr(restored, "times", None)
+        self.full_step = restored.full_step if restored else -1
+        self.full_file = restored.full_file if restored else ""
+        self.replayed = step - restored.full_step if restored else 0
+        self.skipped = tuple(restored.skipped) if restored else ()
+        newest = restored.newest_step if restored else -1
+        self.abandoned = (step + 1, newest) if newest > step else ()
+        self.load_s = restored.load_s if restored else 0.0
+        self.read_s, self.decode_s, self.apply_s = (times.read_s, times.decode_s, times.apply_s) if times else (0.0,) * 3
+        return self
+
+    def __repr__(self) -> str:
+        return (f"Resumed(step={int(self)}, full_step={self.full_step}, replayed={self.replayed}, "
+                f"skipped={len(self.skipped)}, abandoned={self.abandoned})")
+
+
+def resume(directory, model: torch.nn.Module, optimizer, *, step: int | None = None, scheduler=None,
+           extra_state=None, grad_scaler=None) -> Resumed:
     """Restore ``model``, ``optimizer``, RNG states, scheduler and extra_state to the newest durable
-    step under ``directory`` and return that step (0 for a missing or empty directory).
+    step under ``directory`` — or, with ``step=K``, to the state after any retained step K ("time
+    travel") — and return that step (0 for a missing or empty directory) as a ``Resumed``.
 
     ``optimizer`` is normally the object ``lowdiff.wrap`` returned (its scheduler, extra_state and
     grad_scaler are restored too, and it continues recording after the returned step); a plain
-    optimizer works as well, with scheduler/extra_state passed here.
+    optimizer works as well, with scheduler/extra_state passed here. A K that is not retained
+    raises NoCheckpointError stating what is. Resuming a wrapped optimizer before the newest step
+    abandons the steps after it (a warning says which).
 
     Error-feedback residuals of a TopK compressor are per-rank and cannot be rebuilt from the
     aggregated differentials: they are restored when the resumed step is a full checkpoint's
     step and reset to zero otherwise (with a warning).
     """
     directory = checkpoint_directory(directory)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be a step number >= 0, or None for the newest")
     targets = _Targets.of(model, optimizer, scheduler, extra_state, grad_scaler)
     rank, world = distributed_rank()
     if world > 1:
         directory = rank_directory(directory, rank)
-    restored = _restore_agreed(directory, targets, world)
+    restored = _restore_agreed(directory, targets, world, step)
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:
             wrapper.continue_after(0)
-        return 0
+        return Resumed(0)
     apply_boundary(restored.boundary, targets.model, targets.scheduler, targets.extra_state, targets.grad_scaler,
                    f"step {restored.step} of {directory}")
     residuals = restored.full_state.residuals
@@ -77,9 +122,14 @@ def resume(directory, model: torch.nn.Module, optimizer, *, scheduler=None, extr
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
         residuals = {}
+    result = Resumed(restored.step, restored)
     if wrapper is not None:
+        if result.abandoned:
+            warn(f"lowdiff: resuming {directory} at step {restored.step} abandons steps "
+                 f"{result.abandoned[0]}..{result.abandoned[1]}: training on writes a new timeline from step "
+                 f"{restored.step}, and its first full checkpoint drops the old one's files")
         wrapper.continue_after(restored.step, {int(k): v.clone() for k, v in residuals.items()})
-    return restored.step
+    return result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +171,9 @@ class _Targets:
         return [p for group in self.inner.param_groups for p in group["params"]]
 
 
-def _restore_agreed(directory: str, targets: _Targets, world: int):
+def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | None):
     """Restore; with several ranks, repeat at the smallest step every rank reaches until all agree."""
-    stop_step = None
+    stop_step = step
     for _ in range(3):
         restored = restore(directory, check_full=targets.check_full, apply_full=targets.apply_full,
                            params_for=targets.params, optimizer_for=lambda index: targets.inner, stop_step=stop_step)

@@ -147,7 +147,7 @@ def test_lowdiff_writes_the_bytes_the_spec_describes(tmp_path):
     snapshot.copy(on_training_thread=True)
     full_path = str(tmp_path / FULL_NAME)
     snapshot.persist(full_path, SESSION, run=RUN)
-    assert open(full_path, "rb").read() == hand_full()
+    assert (tmp_path / FULL_NAME).read_bytes() == hand_full()
 
     record = StepRecord(1, False, [Compressed("dense", 2, torch.tensor(GRAD_W)),
                                    Compressed("sparse", 10, torch.tensor(SPARSE_V),
@@ -155,7 +155,7 @@ def test_lowdiff_writes_the_bytes_the_spec_describes(tmp_path):
     batch_path = str(tmp_path / DIFF_NAME)
     from lowdiff.records import encode_record
     write_batch(batch_path, SESSION, [(1, encode_record(record))], run=RUN)
-    assert open(batch_path, "rb").read() == hand_batch()
+    assert (tmp_path / DIFF_NAME).read_bytes() == hand_batch()
 
     full, batch = hand_full(), hand_batch()
     write_manifest(str(tmp_path), Manifest([FullEntry(0, FULL_NAME, len(full), SESSION)],
@@ -165,7 +165,8 @@ def test_lowdiff_writes_the_bytes_the_spec_describes(tmp_path):
 
 def test_the_worked_example_in_format_md_matches(tmp_path):
     """The numbers and bytes docs/format.md quotes for the example are these files'."""
-    doc = open(DOC).read()
+    with open(DOC) as f:
+        doc = f.read()
     example = doc[doc.index("## A worked example"):doc.index("## Manifest")]
     full, record = hand_full(), hand_record()
     assert f"({len(full)} bytes)" in example
