@@ -1,108 +1,136 @@
-"""Replaying differentials onto a loaded full checkpoint, with a pipelined reader.
+"""Replaying differentials onto a loaded full checkpoint: records are read, verified, decompressed
+and decoded by a pool of worker threads, several ahead of the apply; the caller's thread applies
+them strictly in step order.
 
-A background thread reads, checksums, decompresses and decodes the records of the chain in order
-into a bounded queue while the caller applies the previous record through the optimizer, so
-recovery overlaps I/O and decoding with the optimizer math. A record that fails to verify ends the
-replay at the step before it (the valid prefix), which the caller reports; a record of another
-format version, or any unexpected error of the reader thread, is raised in the caller.
+zstd decompression, CRC and numpy decoding release the GIL, so the workers run in parallel with
+each other and with the optimizer math. At most ``window`` records are in flight (memory bound).
+The order of application never depends on the number of workers, so ``workers=1`` gives the same
+bytes as any other count. A record that fails to verify ends the replay at the step before it (the
+valid prefix), which the caller reports; a record of another format version, or any unexpected
+error of a worker, is raised in the caller.
 
 The batch files arrive already open (``BatchReader``s): a file that a live trainer's retention
 deletes meanwhile stays readable through its open descriptor.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
-import queue
+import os
 import threading
 import time
 
 from lowdiff.apply import apply_record
 from lowdiff.errors import CorruptCheckpointError
 
-_END = object()
-
 
 @dataclasses.dataclass
 class ReplayTimes:
-    """Where replay spent its time, in seconds: reading record bytes, verifying and decoding them
-    (both on the reader thread, overlapping the apply), applying them through the optimizer."""
+    """Where replay spent its time, in seconds: reading record bytes and verifying/decoding them
+    (summed over the workers, overlapping the apply), and applying them through the optimizer."""
 
     read_s: float = 0.0
     decode_s: float = 0.0
     apply_s: float = 0.0
     records: int = 0
+    workers: int = 1
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, read_s: float, decode_s: float) -> None:
+        with self._lock:
+            self.read_s += read_s
+            self.decode_s += decode_s
 
 
-def _read_chain(chain: list, first_step: int, stop_step: int | None, out: queue.Queue,
-                cancel: threading.Event, times: ReplayTimes) -> None:
-    """``chain``: [(manifest entry, open BatchReader)] in step order."""
+def default_workers() -> int:
+    """The machine's cores (at least 1, at most 8: beyond that the apply is the bound)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def check_workers(workers):
+    """``workers`` if it is None or an int >= 1; else ValueError naming it."""
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers={workers!r} must be an int >= 1 (or None for the machine's cores)")
+    return workers
+
+
+def _tasks(chain: list, first_step: int, stop_step: int | None, warn):
+    """(reader, position) of every record to apply, in order; the last item is a
+    CorruptCheckpointError when the files do not continue (a gap, a batch shorter than listed)."""
     expected = first_step
-    try:
-        for entry, reader in chain:
-            if reader.index_error is not None:
-                out.put(("warning", f"{reader.index_error}; using the {len(reader.entries)} records found by scanning"))
-            for position, step in enumerate(reader.steps):
-                if step < expected:
-                    continue
-                if stop_step is not None and step > stop_step or cancel.is_set():
-                    out.put(_END)
-                    return
-                if step != expected:
-                    raise CorruptCheckpointError(reader.path, f"holds step {step} where step {expected} was expected")
-                started = time.perf_counter()
-                data = reader.read_record_bytes(position)
-                read = time.perf_counter()
-                record = reader.decode_record(position, data)
-                times.read_s += read - started
-                times.decode_s += time.perf_counter() - read
-                out.put(("record", record))
-                expected += 1
-            if reader.steps and reader.steps[-1] < entry.last:
-                raise CorruptCheckpointError(reader.path, f"ends at step {reader.steps[-1]} but the manifest "
-                                                          f"says {entry.last}")
-    except (CorruptCheckpointError, OSError, EOFError) as exc:
-        out.put(("error", exc))
-    except BaseException as exc:  # not damage: the caller raises it
-        out.put(("fatal", exc))
-    out.put(_END)
+    for entry, reader in chain:
+        if reader.index_error is not None:
+            warn(f"lowdiff: {reader.index_error}; using the {len(reader.entries)} records found by scanning")
+        for position, step in enumerate(reader.steps):
+            if step < expected:
+                continue
+            if stop_step is not None and step > stop_step:
+                return
+            if step != expected:
+                yield CorruptCheckpointError(reader.path, f"holds step {step} where step {expected} was expected")
+                return
+            yield reader, position
+            expected += 1
+        if reader.steps and reader.steps[-1] < entry.last and (stop_step is None or reader.steps[-1] < stop_step):
+            yield CorruptCheckpointError(reader.path, f"ends at step {reader.steps[-1]} but the manifest "
+                                                      f"says {entry.last}")
+            return
 
 
-def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None,
-           prefetch_records: int = 4, times: ReplayTimes | None = None):
-    """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]).
-    Returns (last step, its record); adds where the time went to ``times``."""
+def _load(reader, position: int, times: ReplayTimes):
+    started = time.perf_counter()
+    data = reader.read_record_bytes(position)
+    read = time.perf_counter()
+    record = reader.decode_record(position, data)
+    times.add(read - started, time.perf_counter() - read)
+    return record
+
+
+def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None, workers=None,
+           window: int | None = None, times: ReplayTimes | None = None):
+    """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]) with
+    ``workers`` decoding threads (default: ``default_workers()``) and at most ``window`` records
+    in flight (default: 4 per worker). Returns (last step, its record); adds timings to ``times``."""
+    workers = default_workers() if workers is None else check_workers(workers)
+    window = window or 4 * workers
     times = times if times is not None else ReplayTimes()
-    records: queue.Queue = queue.Queue(maxsize=prefetch_records)
-    cancel = threading.Event()
-    reader = threading.Thread(target=_read_chain, name="lowdiff-replay-reader", daemon=True,
-                              args=(chain, base_step + 1, stop_step, records, cancel, times))
-    reader.start()
+    times.workers = workers
     step, last = base_step, None
-    try:
-        while True:
-            item = records.get()
-            if item is _END:
-                break
-            kind, value = item
-            if kind == "warning":
-                warn(f"lowdiff: {value}")
-            elif kind == "fatal":
-                raise value
-            elif kind == "error":
-                warn(f"lowdiff: {value}; resuming at step {step}, the last step that verifies")
-            else:
+    tasks = _tasks(chain, base_step + 1, stop_step, warn)
+    in_flight: collections.deque = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
+        try:
+            _fill(in_flight, tasks, pool, window, times)
+            while in_flight:
+                item = in_flight.popleft()
+                if isinstance(item, CorruptCheckpointError):
+                    warn(f"lowdiff: {item}; resuming at step {step}, the last step that verifies")
+                    break
+                try:
+                    record = item.result()
+                except (CorruptCheckpointError, OSError, EOFError) as exc:
+                    warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
+                    break
+                _fill(in_flight, tasks, pool, window, times)
                 started = time.perf_counter()
-                apply_record(value, params, optimizer)
+                apply_record(record, params, optimizer)
                 times.apply_s += time.perf_counter() - started
                 times.records += 1
-                step, last = value.step, value
-    finally:
-        cancel.set()
-        while reader.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                records.get(timeout=0.05)
-            except queue.Empty:
-                pass
+                step, last = record.step, record
+        finally:
+            for item in in_flight:
+                if isinstance(item, concurrent.futures.Future):
+                    item.cancel()
     for p in params:
         p.grad = None
     return step, last
+
+
+def _fill(in_flight: collections.deque, tasks, pool, window: int, times: ReplayTimes) -> None:
+    """Submit tasks until ``window`` are in flight (an error item ends the task list)."""
+    while len(in_flight) < window and not (in_flight and isinstance(in_flight[-1], CorruptCheckpointError)):
+        task = next(tasks, None)
+        if task is None:
+            return
+        in_flight.append(task if isinstance(task, CorruptCheckpointError) else pool.submit(_load, *task, times))

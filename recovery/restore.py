@@ -90,12 +90,12 @@ def checkpoint_directory(directory) -> str:
 
 
 def restore(directory: str, *, check_full, apply_full, params_for, optimizer_for,
-            stop_step: int | None = None) -> Restored | None:
+            stop_step: int | None = None, workers: int | None = None) -> Restored | None:
     """Plan (``plan_recovery``), then execute: returns None for a directory with nothing in it."""
     plan = plan_recovery(directory, check_full=check_full, stop_step=stop_step)
     if plan is None:
         return None
-    return execute(plan, apply_full=apply_full, params_for=params_for, optimizer_for=optimizer_for)
+    return execute(plan, apply_full=apply_full, params_for=params_for, optimizer_for=optimizer_for, workers=workers)
 
 
 def plan_recovery(directory: str, *, check_full, stop_step: int | None = None) -> RecoveryPlan | None:
@@ -117,14 +117,15 @@ def plan_recovery(directory: str, *, check_full, stop_step: int | None = None) -
                              f"(a live trainer's retention); try again")
 
 
-def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for) -> Restored:
+def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for, workers: int | None = None) -> Restored:
     """Load the plan's full checkpoint with ``apply_full(index, state)`` and replay its chain with
-    ``params_for(index)``/``optimizer_for(index)``. Closes the plan's files."""
+    ``params_for(index)``/``optimizer_for(index)`` and ``workers`` decoding threads. Closes the
+    plan's files."""
     times = ReplayTimes()
     try:
         apply_full(plan.index, plan.state)
         step, last = replay(list(plan.chain), plan.full.step, params_for(plan.index), optimizer_for(plan.index),
-                            stop_step=plan.stop_step, warn=warn, times=times)
+                            stop_step=plan.stop_step, warn=warn, times=times, workers=workers)
     finally:
         plan.close()
     if plan.skipped:

@@ -11,6 +11,7 @@ from lowdiff.ddp import distributed_rank, rank_directory
 from lowdiff.errors import CheckpointError
 
 from .compat import check_compatible
+from .replay import check_workers
 from .restore import checkpoint_directory, restore, warn
 
 
@@ -86,8 +87,8 @@ class Resumed(int):
                 f"skipped={len(self.skipped)}, abandoned={self.abandoned})")
 
 
-def resume(directory, model: torch.nn.Module, optimizer, *, step: int | None = None, scheduler=None,
-           extra_state=None, grad_scaler=None) -> Resumed:
+def resume(directory, model: torch.nn.Module, optimizer, *, step: int | None = None, workers: int | None = None,
+           scheduler=None, extra_state=None, grad_scaler=None) -> Resumed:
     """Restore ``model``, ``optimizer``, RNG states, scheduler and extra_state to the newest durable
     step under ``directory`` — or, with ``step=K``, to the state after any retained step K ("time
     travel") — and return that step (0 for a missing or empty directory) as a ``Resumed``.
@@ -98,6 +99,9 @@ def resume(directory, model: torch.nn.Module, optimizer, *, step: int | None = N
     raises NoCheckpointError stating what is. Resuming a wrapped optimizer before the newest step
     abandons the steps after it (a warning says which).
 
+    ``workers`` threads read and decode differentials ahead of the apply (default: the machine's
+    cores); any count gives the same bytes.
+
     Error-feedback residuals of a TopK compressor are per-rank and cannot be rebuilt from the
     aggregated differentials: they are restored when the resumed step is a full checkpoint's
     step and reset to zero otherwise (with a warning).
@@ -105,11 +109,12 @@ def resume(directory, model: torch.nn.Module, optimizer, *, step: int | None = N
     directory = checkpoint_directory(directory)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be a step number >= 0, or None for the newest")
+    check_workers(workers)
     targets = _Targets.of(model, optimizer, scheduler, extra_state, grad_scaler)
     rank, world = distributed_rank()
     if world > 1:
         directory = rank_directory(directory, rank)
-    restored = _restore_agreed(directory, targets, world, step)
+    restored = _restore_agreed(directory, targets, world, step, workers)
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:
@@ -171,12 +176,13 @@ class _Targets:
         return [p for group in self.inner.param_groups for p in group["params"]]
 
 
-def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | None):
+def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | None, workers: int | None):
     """Restore; with several ranks, repeat at the smallest step every rank reaches until all agree."""
     stop_step = step
     for _ in range(3):
         restored = restore(directory, check_full=targets.check_full, apply_full=targets.apply_full,
-                           params_for=targets.params, optimizer_for=lambda index: targets.inner, stop_step=stop_step)
+                           params_for=targets.params, optimizer_for=lambda index: targets.inner, stop_step=stop_step,
+                           workers=workers)
         if world == 1:
             return restored
         low, high = _agree(restored.step if restored else 0)
