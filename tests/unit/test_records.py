@@ -356,7 +356,7 @@ def test_public_names_are_pinned():
         "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
         "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
         "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
-    assert sorted(recovery.__all__) == ["Resumed", "export", "resume"]
+    assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
         "aligned_buffer", "backend", "copy_regions", "crc32c", "engine", "make_engine"]
