@@ -24,6 +24,8 @@ import time
 from lowdiff.apply import apply_record
 from lowdiff.errors import CorruptCheckpointError
 
+from .progress import Progress
+
 
 @dataclasses.dataclass
 class ReplayTimes:
@@ -98,6 +100,9 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     times.workers = workers
     step, last = base_step, None
     tasks = _tasks(chain, base_step + 1, stop_step, warn)
+    last_listed = max([entry.last for entry, _ in chain], default=base_step)
+    progress = Progress(min(last_listed, stop_step if stop_step is not None else last_listed) - base_step,
+                        "replaying differentials")
     in_flight: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
         try:
@@ -117,8 +122,10 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
                 apply_record(record, params, optimizer)
                 times.apply_s += time.perf_counter() - started
                 times.records += 1
+                progress.update()
                 step, last = record.step, record
         finally:
+            progress.close()
             for item in in_flight:
                 if isinstance(item, concurrent.futures.Future):
                     item.cancel()
