@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 BACKEND_CHOICES = ("auto", "uring", "pwrite")
 ALIGN_BYTES = 4096
@@ -29,7 +30,7 @@ class FastioConfig:
     staging_slots: int = 8
     staging_slot_bytes: int = 16 << 20
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
             raise ValueError(f"FastioConfig.backend={self.backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
         for name in ("chunk_bytes", "staging_slot_bytes"):
@@ -41,9 +42,9 @@ class FastioConfig:
                 raise ValueError(f"FastioConfig.{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def from_env(cls, **overrides) -> FastioConfig:
+    def from_env(cls, **overrides: Any) -> FastioConfig:
         """Defaults, then FASTIO_* environment variables, then explicit arguments (which win)."""
-        values = {}
+        values: dict[str, Any] = {}
         env_backend = os.environ.get("FASTIO_BACKEND")
         if env_backend:
             if env_backend not in BACKEND_CHOICES:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._config import FastioConfig
 
 URGENT = 0
 BULK = 1
@@ -24,7 +28,7 @@ class Ticket:
 
     __slots__ = ("_pending", "_error", "_event", "_lock", "nbytes", "keepalive")
 
-    def __init__(self, pieces: int, nbytes: int, keepalive=None):
+    def __init__(self, pieces: int, nbytes: int, keepalive: object = None) -> None:
         self._pending = pieces
         self._error: BaseException | None = None
         self._event = threading.Event()
@@ -104,17 +108,17 @@ class Engine:
 
     name = "base"
 
-    def __init__(self, config):
+    def __init__(self, config: FastioConfig) -> None:
         self.config = config
         self._queue = PieceQueue()
         self._closed = False
 
     def submit_write(self, fd: int, view: memoryview, offset: int, path: str,
-                     priority: int = BULK, keepalive=None) -> Ticket:
+                     priority: int = BULK, keepalive: object = None) -> Ticket:
         return self._submit("write", fd, view, offset, path, priority, keepalive)
 
     def submit_read(self, fd: int, view: memoryview, offset: int, path: str,
-                    priority: int = BULK, keepalive=None) -> Ticket:
+                    priority: int = BULK, keepalive: object = None) -> Ticket:
         if view.readonly:
             raise TypeError("read target must be a writable buffer")
         return self._submit("read", fd, view, offset, path, priority, keepalive)

@@ -4,10 +4,21 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ._config import ALIGN_BYTES
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+    from typing_extensions import Buffer
+
+    # What byte_view accepts: any C-contiguous buffer, numpy array or CPU tensor (numpy arrays
+    # are listed because numpy's stubs declare no buffer protocol before Python 3.12).
+    BytesLike: TypeAlias = Buffer | np.ndarray | torch.Tensor
 
 
 def buffer_address(view: memoryview) -> int:
@@ -20,7 +31,7 @@ def buffer_address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def byte_view(obj) -> memoryview:
+def byte_view(obj: BytesLike) -> memoryview:
     """A flat, C-contiguous uint8 memoryview of bytes-likes, numpy arrays and CPU torch tensors.
 
     Raises TypeError for non-contiguous data or tensors that are not on the CPU: copying
@@ -29,7 +40,8 @@ def byte_view(obj) -> memoryview:
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise TypeError("numpy array must be C-contiguous to be written without a copy")
-        return memoryview(obj.reshape(-1).view(np.uint8))
+        # .data is memoryview(array); numpy's stubs declare no buffer protocol before Python 3.12.
+        return obj.reshape(-1).view(np.uint8).data
     module = type(obj).__module__
     if module.startswith("torch"):
         import torch
@@ -42,8 +54,10 @@ def byte_view(obj) -> memoryview:
             if obj.numel() == 0:
                 return memoryview(bytearray())  # writable, so an empty tensor is a valid read target
             flat = obj.detach().reshape(-1).view(torch.uint8)
-            return memoryview(flat.numpy())
-    view = memoryview(obj)
+            return flat.numpy().data  # memoryview(array), as above
+    # torch's tensors returned above (checked by module so that torch is imported only for them);
+    # mypy cannot follow that, and anything else that is no buffer makes memoryview raise TypeError.
+    view = memoryview(cast("Buffer", obj))
     if not view.c_contiguous:
         raise TypeError("buffer must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -56,7 +70,7 @@ class AlignedBuffer:
     there with O_DIRECT, so the snapshot copy and the I/O staging are the same memcpy.
     """
 
-    def __init__(self, nbytes: int, populate: bool = False):
+    def __init__(self, nbytes: int, populate: bool = False) -> None:
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
         self.nbytes = nbytes
@@ -79,7 +93,7 @@ class AlignedBuffer:
     def numpy(self) -> np.ndarray:
         return np.frombuffer(self._view, dtype=np.uint8, count=self.nbytes)
 
-    def tensor(self, nbytes: int | None = None):
+    def tensor(self, nbytes: int | None = None) -> torch.Tensor:
         """A uint8 tensor over the first ``nbytes`` (default: all requested) bytes."""
         import torch
 
@@ -100,7 +114,7 @@ class StagingPool:
     """A process-wide free list of pre-faulted staging buffers, so that each new Writer copies into
     memory whose pages already exist instead of paying page faults on every checkpoint."""
 
-    def __init__(self, max_bytes: int = 512 << 20):
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
         self.max_bytes = max_bytes
         self._free: list[AlignedBuffer] = []
         self._lock = threading.Lock()

@@ -7,12 +7,13 @@ import os
 import threading
 
 from ._config import FastioConfig
+from ._engine import Engine
 
 log = logging.getLogger("fastio")
 
 _lock = threading.Lock()
-_engine = None
-_engine_pid = None
+_engine: Engine | None = None
+_engine_pid: int | None = None
 _probe_result: tuple[bool, str] | None = None
 
 
@@ -48,7 +49,7 @@ def _resolve_backend(config: FastioConfig) -> str:
     return "uring"
 
 
-def make_engine(config: FastioConfig):
+def make_engine(config: FastioConfig) -> Engine:
     """A new engine for ``config`` (callers own it and must close it)."""
     if _resolve_backend(config) == "uring":
         from ._uring_engine import UringEngine
@@ -59,7 +60,7 @@ def make_engine(config: FastioConfig):
     return PwriteEngine(config)
 
 
-def engine():
+def engine() -> Engine:
     """The shared engine of this process, created on first use from the environment's config."""
     global _engine, _engine_pid
     with _lock:
@@ -75,7 +76,7 @@ def backend() -> str:
     return engine().name
 
 
-def _close_shared_engine():
+def _close_shared_engine() -> None:
     global _engine
     with _lock:
         if _engine is not None and _engine_pid == os.getpid():

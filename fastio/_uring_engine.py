@@ -74,6 +74,7 @@ class UringEngine(Engine):
     def _complete(self, user_data: int, piece, res: int, inflight: dict, backlog) -> None:
         rest_bytes = piece.view.nbytes - piece.done_bytes
         offset = piece.offset + piece.done_bytes
+        error: Exception | None
         if res == -errno.EINTR:
             error = None  # interrupted before any byte moved: try again
         elif res < 0:

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 from . import _engine
 from ._config import ALIGN_BYTES, FastioConfig
+from ._engine import Engine, Ticket
 from ._files import open_file
 from ._memory import buffer_address, byte_view
 from ._select import engine as shared_engine
+
+if TYPE_CHECKING:
+    from ._memory import BytesLike
 
 
 class Reader:
@@ -19,7 +25,8 @@ class Reader:
     Reading past the end of the file raises ``EOFError`` naming the file and offset.
     """
 
-    def __init__(self, path, config: FastioConfig | None = None, *, engine=None):
+    def __init__(self, path: str | os.PathLike[str], config: FastioConfig | None = None, *,
+                 engine: Engine | None = None) -> None:
         self.path = os.fspath(path)
         self.config = config or FastioConfig.from_env()
         self._engine = engine or shared_engine()
@@ -33,11 +40,12 @@ class Reader:
             else:
                 os.close(fd)
 
-    def read_into(self, offset: int, out, *, priority: int = _engine.BULK) -> None:
+    def read_into(self, offset: int, out: BytesLike, *, priority: int = _engine.BULK) -> None:
         """Fill the writable buffer/array/tensor ``out`` with bytes from ``offset``."""
         self.submit_read_into(offset, out, priority=priority)()
 
-    def submit_read_into(self, offset: int, out, *, priority: int = _engine.BULK):
+    def submit_read_into(self, offset: int, out: BytesLike, *,
+                         priority: int = _engine.BULK) -> Callable[[], None]:
         """Start reading into ``out``; return a function that waits and raises any error."""
         if self._fd < 0:
             raise ValueError(f"fastio.Reader for {self.path!r} is closed")
@@ -47,7 +55,7 @@ class Reader:
         if offset < 0 or offset + view.nbytes > self.size:
             raise EOFError(f"read of {view.nbytes} bytes at offset {offset} is past the end of "
                            f"{self.path!r} ({self.size} bytes)")
-        tickets = []
+        tickets: list[Ticket] = []
         direct_bytes = 0
         if (self._direct_fd >= 0 and offset % ALIGN_BYTES == 0
                 and buffer_address(view) % ALIGN_BYTES == 0):
@@ -59,7 +67,7 @@ class Reader:
             tickets.append(self._engine.submit_read(self._fd, view[direct_bytes:], offset + direct_bytes,
                                                     self.path, priority, keepalive=out))
 
-        def wait():
+        def wait() -> None:
             for ticket in tickets:
                 ticket.wait()
         return wait
@@ -78,14 +86,14 @@ class Reader:
                 os.close(fd)
                 setattr(self, name, -1)
 
-    def __enter__(self):
+    def __enter__(self) -> Reader:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_fd", -1) >= 0:
             warnings.warn(f"fastio.Reader for {self.path!r} was not closed", ResourceWarning, stacklevel=2)
             self.close()

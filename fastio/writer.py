@@ -10,13 +10,19 @@ from __future__ import annotations
 import os
 import secrets
 import warnings
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal
 
 from . import _engine
 from ._config import ALIGN_BYTES, FastioConfig
+from ._engine import Engine, Ticket
 from ._errors import io_error
 from ._files import fsync_directory, open_file
 from ._memory import buffer_address, byte_view, staging_pool
 from ._select import engine as shared_engine
+
+if TYPE_CHECKING:
+    from ._memory import BytesLike
 
 
 class _Slot:
@@ -24,12 +30,12 @@ class _Slot:
 
     __slots__ = ("buffer", "array", "ticket")
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int) -> None:
         self.buffer = staging_pool.take(nbytes)
         self.array = self.buffer.numpy()
-        self.ticket = None
+        self.ticket: Ticket | None = None
 
-    def wait(self):
+    def wait(self) -> None:
         if self.ticket is not None:
             ticket, self.ticket = self.ticket, None
             ticket.wait()
@@ -43,8 +49,8 @@ class Writer:
     ring of aligned staging slots whose writes overlap the next copy-in.
     """
 
-    def __init__(self, path, config: FastioConfig | None = None, *, size_hint: int | None = None,
-                 priority: int = _engine.BULK, engine=None):
+    def __init__(self, path: str | os.PathLike[str], config: FastioConfig | None = None, *,
+                 size_hint: int | None = None, priority: int = _engine.BULK, engine: Engine | None = None) -> None:
         self.path = os.fspath(path)
         self.config = config or FastioConfig.from_env()
         self._engine = engine or shared_engine()
@@ -63,7 +69,7 @@ class Writer:
         self._fill = 0          # bytes in the current staging slot
         self._slots: list[_Slot] = []
         self._slot_index = 0
-        self._tickets = []      # zero-copy writes in flight
+        self._tickets: list[Ticket] = []  # zero-copy writes in flight
         self._allocated_bytes = 0  # file length set by size_hint's fallocate
         if size_hint:
             self._preallocate(size_hint)
@@ -74,7 +80,7 @@ class Writer:
         """Bytes appended so far (the committed file's length)."""
         return self._size
 
-    def write(self, obj, *, align: int = 1) -> int:
+    def write(self, obj: BytesLike, *, align: int = 1) -> int:
         """Append ``obj`` (bytes-like, numpy array or CPU tensor), first padding with zeros to a
         multiple of ``align``; return the offset where it starts."""
         self._check_open()
@@ -160,10 +166,11 @@ class Writer:
             staging_pool.give(slot.buffer)
         self._slots = []
 
-    def __enter__(self):
+    def __enter__(self) -> Writer:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         if exc_type is None:
             if self._state != "aborted":  # abort() inside the block is a decision, not an error
                 self.commit()
@@ -171,7 +178,7 @@ class Writer:
             self.abort()
         return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_state", None) == "open":
             warnings.warn(f"fastio.Writer for {self.path!r} was neither committed nor aborted; aborting",
                           ResourceWarning, stacklevel=2)
@@ -181,7 +188,7 @@ class Writer:
                 pass
 
     # ----------------------------------------------------------------- internals
-    def _check_open(self):
+    def _check_open(self) -> None:
         if self._state != "open":
             raise ValueError(f"fastio.Writer for {self.path!r} is {self._state}")
 

@@ -11,7 +11,10 @@ import torch
 
 def capture_rng() -> dict:
     """Python, numpy, torch CPU and (when initialized) CUDA generator states."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    legacy = np.random.get_state(legacy=True)
+    # numpy types it as dict | tuple; the global generator is MT19937, whose legacy state is the tuple.
+    assert isinstance(legacy, tuple), "numpy's global generator is not MT19937"
+    name, keys, pos, has_gauss, gauss = legacy
     state = {
         "python": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),

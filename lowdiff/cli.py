@@ -8,21 +8,23 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from .batchfile import BatchReader
 from .errors import CheckpointError, CorruptCheckpointError, VersionMismatchError
 from .fullckpt import load_full, read_full_index
 from .inventory import check_entry, take_inventory
-from .manifest import MANIFEST_NAME, FullEntry, plan_chain, read_manifest
+from .manifest import MANIFEST_NAME, BatchEntry, FullEntry, plan_chain, read_manifest
 from .store import lock_holder
 
 
 def _human(nbytes: int) -> str:
+    value: float = nbytes
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        nbytes /= 1024
-    return str(nbytes)
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{value} B"
+        value /= 1024
+    return str(value)
 
 
 def _warn(message: str) -> None:
@@ -44,7 +46,7 @@ def _note_live_trainer(directory: str) -> None:
               f"this runs may differ from the listing")
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(args: argparse.Namespace) -> int:
     directory = _checkpoint_directory(args.directory)
     inventory = take_inventory(directory, skip_other_versions=True)
     for note in inventory.notes:
@@ -58,6 +60,7 @@ def cmd_inspect(args) -> int:
     for full in sorted(manifest.fulls, key=lambda f: f.step):
         chain = plan_chain(manifest, full.step)
         end = chain[-1].last if chain else full.step
+        tensors: int | str
         try:
             index = read_full_index(os.path.join(directory, full.file))
             tensors = len(index.tensors)
@@ -76,12 +79,12 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _verify_full(path: str, entry, run) -> None:
+def _verify_full(path: str, entry: FullEntry, run: str | None) -> None:
     index, _ = load_full(path)
     check_entry(path, entry, index, os.path.getsize(path), run)
 
 
-def _verify_batch(path: str, entry, run) -> None:
+def _verify_batch(path: str, entry: BatchEntry, run: str | None) -> None:
     with BatchReader(path) as reader:
         if reader.index_error:
             raise reader.index_error
@@ -93,7 +96,7 @@ def _verify_batch(path: str, entry, run) -> None:
                                                f"the manifest says {entry.first}..{entry.last}")
 
 
-def cmd_verify(args) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     """Read every listed file completely and check every checksum and that each file is what the
     manifest says it is. Exit 1 if anything does not verify or there is nothing to verify."""
     directory = _checkpoint_directory(args.directory)
@@ -148,7 +151,7 @@ def cmd_verify(args) -> int:
     return 1 if problems else 0
 
 
-def cmd_export(args) -> int:
+def cmd_export(args: argparse.Namespace) -> int:
     from recovery import export
 
     step = export(args.directory, args.output, step=args.step)
@@ -156,7 +159,7 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     """Reference run; checkpointed run SIGKILLed at a random step; resume; compare digests."""
     work = args.dir or tempfile.mkdtemp(prefix="lowdiff-demo-", dir=os.getcwd())
     os.makedirs(work, exist_ok=True)
@@ -173,6 +176,7 @@ def cmd_demo(args) -> int:
     print(f"2) checkpointed run, killed with SIGKILL after step {kill_at} ...", flush=True)
     run_path = os.path.join(work, "run.txt")
     proc = subprocess.Popen(demo + ["train", ckpt, *common, "--digests", run_path], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         if line.startswith(f"step {kill_at} "):
             proc.send_signal(signal.SIGKILL)
@@ -200,7 +204,7 @@ def cmd_demo(args) -> int:
     return 0 if ok_start and ok_end else 1
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowdiff", description="lowdiff checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train, SIGKILL, resume, and show the resumed state is exact")

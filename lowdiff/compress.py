@@ -29,7 +29,7 @@ class Dense:
 
     name = "dense"
 
-    def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict) -> Compressed:
+    def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict[int, torch.Tensor]) -> Compressed:
         flat = grad.detach().reshape(-1)
         return Compressed("dense", flat.numel(), flat.clone())
 
@@ -52,13 +52,13 @@ class TopK:
     min_numel: int = 4096
     name = "topk"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"TopK.ratio={self.ratio} must be in (0, 1]")
         if self.min_numel < 1:
             raise ValueError(f"TopK.min_numel={self.min_numel} must be >= 1")
 
-    def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict) -> Compressed:
+    def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict[int, torch.Tensor]) -> Compressed:
         flat = grad.detach().reshape(-1)
         numel = flat.numel()
         if self.error_feedback:
@@ -84,10 +84,13 @@ class TopK:
 def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
     """Write the gradient ``record`` stands for into ``out`` (flat view of a gradient tensor)."""
     flat = out.view(-1)
+    # Dense and sparse records always carry values, sparse ones indices too (see Compressed).
     if record.kind == "dense":
+        assert record.values is not None
         flat.copy_(record.values)
     else:
         flat.zero_()
+        assert record.indices is not None and record.values is not None
         # Indices are unique: a plain scatter, deterministic, no atomics. Records read from disk
         # live on the CPU; a CUDA gradient needs them on its device.
         flat.index_copy_(0, record.indices.to(device=flat.device, dtype=torch.int64), record.values.to(flat.device))

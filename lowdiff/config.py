@@ -3,8 +3,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any, Protocol
 
 import torch
+
+
+class Stateful(Protocol):
+    """What ``extra_state`` values must have (check_wrap_arguments enforces it): lowdiff saves
+    ``state_dict()`` at every step and hands it back to ``load_state_dict`` at resume."""
+
+    def state_dict(self) -> Any: ...
+
+    # Positional-only: implementations name the argument as they like (state, state_dict, sd).
+    def load_state_dict(self, state_dict: Any, /) -> object: ...
+
+
+class Scheduler(Stateful, Protocol):
+    """What a ``scheduler`` must have: a stateful object that ``step()`` steps without arguments
+    after each optimizer step (torch's LR schedulers, except ReduceLROnPlateau, which needs a metric)."""
+
+    def step(self) -> object: ...
 
 
 @dataclasses.dataclass(frozen=True)

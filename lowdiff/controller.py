@@ -34,7 +34,7 @@ class _Mean:
 
     def __init__(self, weight: float = 0.2):
         self.weight = weight
-        self.value = None
+        self.value: float | None = None
 
     def add(self, sample: float) -> None:
         self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
@@ -112,7 +112,7 @@ class Controller:
         """Median and max of the recent samples, in milliseconds, and how many there were."""
         with self._lock:
             samples = {name: list(values) for name, values in self.samples.items()}
-        out = {}
+        out: dict[str, float | None] = {}
         for name, values in samples.items():
             key = name.removesuffix("_s")
             out[f"{key}_count"] = len(values)

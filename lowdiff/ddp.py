@@ -10,6 +10,7 @@ ranks' selections); ``step()`` records its nonzero entries, which reproduce it e
 yields -0.0: it starts from +0.0 and IEEE addition of opposite values gives +0.0).
 """
 import os
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from .compress import Compressed
 
 
-def is_ddp(model) -> bool:
+def is_ddp(model: object) -> TypeGuard[torch.nn.parallel.DistributedDataParallel]:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
@@ -55,7 +56,7 @@ class CompressedAllReduce:
         for rank_indices, rank_values in zip(indices, values):  # fixed rank order: deterministic
             out.index_add_(0, rank_indices.to(torch.int64), rank_values)
         out.div_(world)
-        future = torch.futures.Future()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(out)
         return future
 

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import random
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ class ShuffledSampler:
         self.size, self.seed, self.epoch, self.position = size, seed, 0, 0
 
     def next_batch(self, batch: int) -> torch.Tensor:
-        out = []
+        out: list[int] = []
         while len(out) < batch:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
             take = min(batch - len(out), self.size - self.position)
@@ -51,6 +52,7 @@ def build(optimizer: str = "adamw", seed: int = 0):
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt: torch.optim.Optimizer
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     elif optimizer == "sgd":
@@ -107,7 +109,10 @@ def state_digest(model, optimizer, scheduler, sampler) -> str:
     h.update(repr(sampler.state_dict()).encode())
     add_tensor(torch.get_rng_state())
     h.update(repr(random.getstate()).encode())
-    h.update(repr(np.random.get_state(legacy=True)[1].tolist()).encode())
+    legacy = np.random.get_state(legacy=True)
+    # numpy types it as dict | tuple; the global generator is MT19937, whose legacy state is the tuple.
+    assert isinstance(legacy, tuple), "numpy's global generator is not MT19937"
+    h.update(repr(legacy[1].tolist()).encode())
     return h.hexdigest()
 
 
@@ -130,7 +135,7 @@ def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="t
                            full_every=full_every, batch_steps=batch_steps, scheduler=sched,
                            extra_state={"sampler": sampler})
         start = recovery.resume(directory, model, opt)
-    out = {"start": start, "digests": {}}
+    out: dict[str, Any] = {"start": start, "digests": {}}
     if start:
         out["digests"][start] = state_digest(model, opt, sched, sampler)
         log(f"resumed at step {start} {out['digests'][start]}")

@@ -78,7 +78,7 @@ class Checksummed:
         return {"crc32c": self.crc32c} if self.crc32c is not None else {"crc32": self.crc32}
 
     @staticmethod
-    def checksums(fields: _Fields) -> tuple:
+    def checksums(fields: _Fields) -> tuple[int | None, int | None]:
         crc32c, crc32 = fields.count("crc32c", None), fields.count("crc32", None)
         if crc32c is None and crc32 is None:
             raise fields.bad("it has no checksum (neither 'crc32c' nor 'crc32')")

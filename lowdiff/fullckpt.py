@@ -161,7 +161,10 @@ class Snapshot:
         ``before_commit()`` is asked last, with everything written: if it returns False the file
         is discarded (nothing appears at ``path``) and persist returns None.
         """
-        payload = self._buffer.view(0, self.payload_bytes) if self.payload_bytes else memoryview(b"")
+        payload = memoryview(b"")
+        if self.payload_bytes:
+            assert self._buffer is not None, "copy() allocates the buffer it counts payload_bytes in"
+            payload = self._buffer.view(0, self.payload_bytes)
         objects = tree.dumps(self._skeleton)
         checksums = iter(self._checksums or ())
         tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,

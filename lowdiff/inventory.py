@@ -198,8 +198,9 @@ def _adopt(directory: str, view: Manifest, names: list, sizes: dict, skip_other_
     return dataclasses.replace(view, fulls=fulls, batches=batches), adopted, ignored
 
 
-def _step_order(name: str):
+def _step_order(name: str) -> tuple[int, str]:
     m = FULL_RE.match(name) or DIFF_RE.match(name)
+    assert m is not None, f"{name!r} is not a checkpoint file name"  # callers sort only those
     return int(m.group(1)), name
 
 
@@ -216,16 +217,17 @@ def _describe(path: str, name: str, nbytes: int):
         check_entry(path, entry, index, nbytes, None)
         return entry, index.run
     m = DIFF_RE.match(name)
+    assert m is not None, f"{name!r} is not a checkpoint file name"  # callers describe only those
     with BatchReader(path) as reader:
         steps, index = reader.steps, reader.index
     if not steps:
         return None, None
-    entry = BatchEntry(steps[0], steps[-1], name, nbytes, m.group(3))
+    batch = BatchEntry(steps[0], steps[-1], name, nbytes, m.group(3))
     if index is not None:
-        check_entry(path, entry, index, nbytes, None)
+        check_entry(path, batch, index, nbytes, None)
     elif steps[0] != int(m.group(1)):
         raise CorruptCheckpointError(path, f"its first record is step {steps[0]}, its name says {int(m.group(1))}")
-    return entry, None if index is None else index.run
+    return batch, None if index is None else index.run
 
 
 def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:

@@ -7,9 +7,13 @@ import os
 import signal
 import threading
 import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .wrapper import LowDiffOptimizer
 
 log = logging.getLogger("lowdiff")
-live = weakref.WeakSet()   # optimizers not yet closed
+live: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()   # optimizers not yet closed
 _hooks_installed = False
 _terminate_requested = False
 

@@ -128,9 +128,10 @@ class Manifest:
         return any(first <= step <= last for first, last in self.retained_ranges())
 
 
-def plan_chain(manifest: Manifest, base_step: int) -> list:
+def plan_chain(manifest: Manifest, base_step: int) -> list[BatchEntry]:
     """The batches that continue ``base_step`` contiguously, newest commit preferred at each step."""
-    chain, cursor = [], base_step
+    chain: list[BatchEntry] = []
+    cursor = base_step
     while True:
         candidates = [b for b in manifest.batches if b.first == cursor + 1]
         if not candidates:

@@ -59,7 +59,8 @@ def dtype_from_name(name: str, path: str) -> torch.dtype:
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    # .data is memoryview(array); numpy's stubs declare no buffer protocol before Python 3.12.
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 def _on_cpu(tensors: list) -> torch.Tensor:
@@ -85,22 +86,23 @@ def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
         keys = keys.to(torch.int32)
     keys, order = torch.sort(keys)
     if all(v.dtype == values[0].dtype for v in values):
-        values = torch.split(_on_cpu(values)[order], counts)  # one gather for every tensor
+        values = list(torch.split(_on_cpu(values)[order], counts))  # one gather for every tensor
     else:  # the order stays within each tensor's segment: gather tensor by tensor
         first = 0
         for i, (part, count) in enumerate(zip(torch.split(order, counts), counts)):
             values[i] = values[i].cpu()[part - first]
             first += count
-    return (keys.to(torch.int64) - offsets).numpy(), list(values)
+    return (keys.to(torch.int64) - offsets).numpy(), values
 
 
-def _delta_bytes(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
+def _delta_bytes(flat: np.ndarray | None, counts: list) -> tuple[bytes, list]:
     """Index deltas of sorted indices ``flat`` (``counts[i]`` of them per tensor, each tensor
-    restarting from 0), and each tensor's delta width in bytes: 2 when all its deltas fit in u16
-    (the common case at TopK ratios), else 4. Narrow deltas are half the bytes for zstd to read and
-    compress better."""
+    restarting from 0; None when there are no sparse tensors), and each tensor's delta width in
+    bytes: 2 when all its deltas fit in u16 (the common case at TopK ratios), else 4. Narrow deltas
+    are half the bytes for zstd to read and compress better."""
     if not counts:
         return b"", []
+    assert flat is not None  # counts has an entry per sparse tensor
     deltas = np.diff(flat, prepend=0)
     starts = np.cumsum([0] + counts[:-1])
     present = starts < flat.size

@@ -140,6 +140,7 @@ class StepCapture:
         """(state, meta) of the base checkpoint: the boundary from ``capture_base_boundary`` (used
         once) with the current parameters, optimizer, scheduler and grad scaler."""
         boundary, self._base_boundary = self._base_boundary, None
+        assert boundary is not None, "capture_base_boundary() runs at wrap and at resume"
         boundary = {**boundary, "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
         if self.grad_scaler is not None:
             # GradScaler.update() runs after step(): store the pre-update state and what update() needs.
@@ -212,7 +213,7 @@ class StepCapture:
         tensor replaced, e.g. by load_state_dict), as (slot, key, ...) tuples. About 0.5 µs per
         tensor; None if a tensor keeps no version counter (inference tensors)."""
         try:
-            marks = {(slot, None, p._version) for slot, p in enumerate(self.params)}
+            marks: set[tuple] = {(slot, None, p._version) for slot, p in enumerate(self.params)}
             state = self.optimizer.state
             for slot, p in enumerate(self.params):
                 entries = state.get(p)

@@ -9,24 +9,33 @@ loses or corrupts what was already durable.
 """
 from __future__ import annotations
 
+import os
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Literal, NoReturn, overload
 
 import torch
 
 import fastio
+from fastio._engine import Engine
 
 from . import faults
-from .compress import Dense
-from .config import WrapConfig, check_wrap_arguments
+from .compress import Dense, TopK
+from .config import Scheduler, Stateful, WrapConfig, check_wrap_arguments
+from .controller import Controller
 from .ddp import distributed_rank, rank_directory
 from .errors import CheckpointError
 from .lifecycle import Busy, install_exit_hooks, live
 from .session import CheckpointSession
 from .stepcapture import StepCapture
+from .store import CheckpointStore
 
 
-def _kept_by(part: str, name: str, doc: str) -> property:
-    """An attribute of the facade that one of its parts (``_capture`` or ``_session``) keeps."""
+def _kept_by(part: str, name: str, doc: str) -> Any:
+    """An attribute of the facade that one of its parts (``_capture`` or ``_session``) keeps.
+    (A property, typed Any so that each attribute's annotation in the class states its type.)"""
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
@@ -43,24 +52,33 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     # ``grad_scale``/``found_inf`` set, so a skipped step is still an iteration we record.
     _step_supports_amp_scaling = True
 
-    optimizer = _kept_by("_capture", "optimizer", "The wrapped optimizer (it holds all optimizer state).")
-    model = _kept_by("_capture", "model", "The model (unwrapped from DDP).")
-    compressor = _kept_by("_capture", "compressor", "How gradients are compressed (Dense() by default).")
-    scheduler = _kept_by("_capture", "scheduler", "The LR scheduler stepped after each step, or None.")
-    extra_state = _kept_by("_capture", "extra_state", "Named objects with state_dict(), saved at each step.")
-    grad_scaler = _kept_by("_capture", "grad_scaler", "The GradScaler whose state is saved, or None.")
-    residuals = _kept_by("_capture", "residuals", "Error-feedback residuals of the compressor, by slot.")
-    param_names = _kept_by("_capture", "param_names", "Names of the optimizer's parameters, in order.")
-    outside_changes = _kept_by("_capture", "outside_changes",
-                               "How many steps found a parameter changed outside step().")
-    controller = _kept_by("_session", "controller", "Picks full_every and batch_steps (see lowdiff.controller).")
-    store = _kept_by("_session", "store", "The checkpoint directory's store.")
-    directory = _kept_by("_session", "directory", "Where this process's checkpoints are.")
+    optimizer: torch.optim.Optimizer = _kept_by("_capture", "optimizer",
+                                                "The wrapped optimizer (it holds all optimizer state).")
+    model: torch.nn.Module = _kept_by("_capture", "model", "The model (unwrapped from DDP).")
+    compressor: Dense | TopK = _kept_by("_capture", "compressor", "How gradients are compressed (Dense() by default).")
+    scheduler: Scheduler | None = _kept_by("_capture", "scheduler",
+                                           "The LR scheduler stepped after each step, or None.")
+    extra_state: dict[str, Stateful] = _kept_by("_capture", "extra_state",
+                                                "Named objects with state_dict(), saved at each step.")
+    grad_scaler: torch.amp.GradScaler | None = _kept_by("_capture", "grad_scaler",
+                                                        "The GradScaler whose state is saved, or None.")
+    residuals: dict[int, torch.Tensor] = _kept_by("_capture", "residuals",
+                                                  "Error-feedback residuals of the compressor, by slot.")
+    param_names: list[str] = _kept_by("_capture", "param_names", "Names of the optimizer's parameters, in order.")
+    outside_changes: int = _kept_by("_capture", "outside_changes",
+                                    "How many steps found a parameter changed outside step().")
+    controller: Controller = _kept_by("_session", "controller",
+                                      "Picks full_every and batch_steps (see lowdiff.controller).")
+    store: CheckpointStore = _kept_by("_session", "store", "The checkpoint directory's store.")
+    directory: str = _kept_by("_session", "directory", "Where this process's checkpoints are.")
     _fulls = _kept_by("_session", "fulls", "The full-checkpoint writer (kept for tests that inspect it).")
 
-    def __init__(self, optimizer, model, directory, *, compressor=None, full_every=100, batch_steps=10,
-                 scheduler=None, extra_state=None, keep_full=2, grad_scaler=None, max_pending_batches=2,
-                 overwrite=False, failure_rate_per_hour=0.1, engine=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: str | os.PathLike[str],
+                 *, compressor: Dense | TopK | None = None, full_every: int | Literal["auto"] = 100,
+                 batch_steps: int | Literal["auto"] = 10, scheduler: Scheduler | None = None,
+                 extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
+                 grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2,
+                 overwrite: bool = False, failure_rate_per_hour: float = 0.1, engine: Engine | None = None) -> None:
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
@@ -85,41 +103,49 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         install_exit_hooks()
 
     # ------------------------------------------------------------ optimizer surface
+    # torch.optim.Optimizer declares these as plain attributes; the facade forwards them to the
+    # wrapped optimizer read-only (they must not diverge from it), hence the override ignores.
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
     @property
-    def state(self):
+    def state(self) -> defaultdict[torch.Tensor, Any]:  # type: ignore[override]
         return self.optimizer.state
 
     @property
-    def defaults(self):
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Busy: a SIGTERM flushing from inside release() would wait for a copy nobody judges.
         with Busy(self):
             self._session.fulls.release()
             self.optimizer.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> NoReturn:
         raise CheckpointError("lowdiff records gradients by parameter position; add param groups before wrap()")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"LowDiffOptimizer({self.optimizer!r}, directory={self.directory!r})"
 
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise TypeError("a LowDiffOptimizer owns files and threads and cannot be pickled")
 
     # ------------------------------------------------------------ the step
-    def step(self, closure=None):
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """compress -> inner step -> scheduler step -> record (see the module docstring)."""
         with Busy(self):
             return self._step(closure)
@@ -174,7 +200,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------ resume support
-    def continue_after(self, step: int, residuals: dict | None = None) -> None:
+    def continue_after(self, step: int, residuals: dict[int, torch.Tensor] | None = None) -> None:
         """Continue recording after step ``step``: the next ``step()`` records step ``step + 1``,
         starting with a base checkpoint of the state as it is now (the restored one), and may
         overwrite what the directory holds after ``step``. ``residuals`` are the compressor's
@@ -191,7 +217,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._capture.restart(residuals)
 
     # ------------------------------------------------------------ durability
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """What checkpointing has cost this process so far, as lowdiff measured it: the training
         thread's stall per full checkpoint (staging, plus waiting for a background copy at the
         next step), the background persist time of a full checkpoint and the write time of a
@@ -229,17 +255,23 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._session.close_store()
             live.discard(self)
 
-    def __enter__(self):
+    def __enter__(self) -> LowDiffOptimizer:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         self.close()
         return False
 
 
-def wrap(optimizer, model, directory, *, compressor=None, full_every=100, batch_steps=10, scheduler=None,
-         extra_state=None, keep_full=2, **options) -> LowDiffOptimizer:
+def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: str | os.PathLike[str], *,
+         compressor: Dense | TopK | None = None, full_every: int | Literal["auto"] = 100,
+         batch_steps: int | Literal["auto"] = 10, scheduler: Scheduler | None = None,
+         extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
+         grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2, overwrite: bool = False,
+         failure_rate_per_hour: float = 0.1, engine: Engine | None = None) -> LowDiffOptimizer:
     """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer."""
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
-                            keep_full=keep_full, **options)
+                            keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
+                            overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour, engine=engine)

@@ -19,7 +19,7 @@ def _optimizer_class(path: str):
         raise ValueError(f"cannot import the optimizer class {path!r} the checkpoint was trained with: {exc}") from None
 
 
-def export(directory, output, *, step: int | None = None) -> int:
+def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *, step: int | None = None) -> int:
     """Write ``{"step", "model", "optimizer", "scheduler", "extra", "rng"}`` for ``step`` (default:
     the newest durable step) to ``output`` with ``torch.save``; loadable without lowdiff. Parameters
     are rebuilt from the full checkpoint and replayed with the optimizer class recorded there."""

@@ -19,7 +19,8 @@ from lowdiff.errors import CorruptCheckpointError, DirectoryBusyError, NoCheckpo
 from lowdiff.format import FullIndex, FullState, StepState
 from lowdiff.fullckpt import load_full
 from lowdiff.inventory import check_entry, take_inventory
-from lowdiff.manifest import MANIFEST_NAME, FullEntry, chain_end, describe_retained, plan_chain
+from lowdiff.manifest import MANIFEST_NAME, BatchEntry, FullEntry, chain_end, describe_retained, plan_chain
+from lowdiff.records import StepRecord
 
 from .replay import ReplayTimes, replay
 
@@ -58,7 +59,7 @@ class Restored:
     full_step: int             # the full checkpoint it was rebuilt from
     full_index: FullIndex
     full_state: FullState
-    last_record: object        # the record of ``step`` (None when step == full_step)
+    last_record: StepRecord | None  # the record of ``step`` (None when step == full_step)
     skipped: tuple = ()        # (file, why) of newer full checkpoints that were not used
     full_file: str = ""        # the full checkpoint's file name
     newest_step: int = -1      # the newest step the directory's files reach
@@ -196,7 +197,7 @@ def _open_chain(directory: str, inventory, base_step: int, stop_step: int | None
     """[(entry, open BatchReader)] continuing ``base_step`` (up to ``stop_step``). The chain ends
     before a batch that is missing or is not what its entry says (with a warning); a batch whose
     index is damaged (a torn or truncated file) still gives the records that verify."""
-    chain = []
+    chain: list[tuple[BatchEntry, BatchReader]] = []
     for entry in plan_chain(inventory.manifest, base_step):
         if stop_step is not None and entry.first > stop_step:
             break

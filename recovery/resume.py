@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
 
 from lowdiff import LowDiffOptimizer, capture
+from lowdiff.config import Scheduler, Stateful
 from lowdiff.ddp import distributed_rank, rank_directory
 from lowdiff.errors import CheckpointError
 
 from .compat import check_compatible
 from .replay import check_workers
-from .restore import checkpoint_directory, restore, warn
+from .restore import Restored, checkpoint_directory, restore, warn
 
 
 def restore_grad_scaler(scaler, stored) -> None:
@@ -69,7 +71,7 @@ class Resumed(int):
     decode_s: float
     apply_s: float
 
-    def __new__(cls, step: int, restored=None):
+    def __new__(cls, step: int, restored: Restored | None = None) -> Resumed:
         self = super().__new__(cls, step)
         times = getattr(restored, "times", None)
         self.full_step = restored.full_step if restored else -1
@@ -79,16 +81,23 @@ class Resumed(int):
         newest = restored.newest_step if restored else -1
         self.abandoned = (step + 1, newest) if newest > step else ()
         self.load_s = restored.load_s if restored else 0.0
-        self.read_s, self.decode_s, self.apply_s = (times.read_s, times.decode_s, times.apply_s) if times else (0.0,) * 3
+        self.read_s, self.decode_s, self.apply_s = ((times.read_s, times.decode_s, times.apply_s) if times
+                                                    else (0.0, 0.0, 0.0))
         return self
+
+    def __str__(self) -> str:
+        # The number, as the plain int resume() used to return: f"{step}" and print(step) must not
+        # show the repr (the demo's "resumed at step N" line is parsed by scripts and tests).
+        return int.__repr__(self)
 
     def __repr__(self) -> str:
         return (f"Resumed(step={int(self)}, full_step={self.full_step}, replayed={self.replayed}, "
                 f"skipped={len(self.skipped)}, abandoned={self.abandoned})")
 
 
-def resume(directory, model: torch.nn.Module, optimizer, *, step: int | None = None, workers: int | None = None,
-           scheduler=None, extra_state=None, grad_scaler=None) -> Resumed:
+def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+           step: int | None = None, workers: int | None = None, scheduler: Scheduler | None = None,
+           extra_state: dict[str, Stateful] | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> Resumed:
     """Restore ``model``, ``optimizer``, RNG states, scheduler and extra_state to the newest durable
     step under ``directory`` — or, with ``step=K``, to the state after any retained step K ("time
     travel") — and return that step (0 for a missing or empty directory) as a ``Resumed``.

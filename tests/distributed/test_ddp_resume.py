@@ -39,13 +39,14 @@ def run_ranks(directory, steps, digest_dir, tag, crash_at=None, timeout=240):
 
 def read_digests(path):
     resumed, digests = None, {}
-    for line in open(path):
-        parts = line.split()
-        if parts[0] == "resumed":
-            resumed = int(parts[1])
-            digests[resumed] = parts[2]
-        else:
-            digests[int(parts[0])] = parts[1]
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] == "resumed":
+                resumed = int(parts[1])
+                digests[resumed] = parts[2]
+            else:
+                digests[int(parts[0])] = parts[1]
     return resumed, digests
 
 

@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -358,12 +359,12 @@ def test_wrong_version(run, ckpt, capsys, caplog, tmp_path):
 def test_manifest_of_another_version(run, ckpt, caplog):
     """A manifest a newer lowdiff wrote is refused by every entry point and never rewritten."""
     path = os.path.join(ckpt, MANIFEST_NAME)
-    outer = json.loads(open(path, "rb").read())
+    outer = json.loads(Path(path).read_bytes())
     outer["manifest"]["version"] = 2
     outer["crc32"] = zlib.crc32(json.dumps(outer["manifest"], indent=1, sort_keys=True).encode())
     with open(path, "w") as f:
         json.dump(outer, f)
-    before = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt)}
+    before = {name: Path(ckpt, name).read_bytes() for name in os.listdir(ckpt)}
     with pytest.raises(lowdiff.VersionMismatchError, match="manifest version 2, this lowdiff reads version 1") as info:
         read_manifest(ckpt)
     assert info.value.path == path
@@ -373,7 +374,7 @@ def test_manifest_of_another_version(run, ckpt, caplog):
     with pytest.raises(lowdiff.VersionMismatchError):
         wrap(ckpt, model, opt, sched, sampler)
     assert cli.main(["verify", ckpt]) == 2
-    after = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt) if name != "LOCK"}
+    after = {name: Path(ckpt, name).read_bytes() for name in os.listdir(ckpt) if name != "LOCK"}
     before.pop("LOCK", None)
     assert after == before
 
@@ -402,7 +403,7 @@ def test_two_trainers_on_one_directory(tmp_path):
 
 
 def test_wrap_without_resume_refuses_to_train_over_checkpoints(ckpt):
-    before = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt) if name != "LOCK"}
+    before = {name: Path(ckpt, name).read_bytes() for name in os.listdir(ckpt) if name != "LOCK"}
     model, opt, sched, sampler = build()
     opt = wrap(ckpt, model, opt, sched, sampler)
     try:
@@ -411,7 +412,7 @@ def test_wrap_without_resume_refuses_to_train_over_checkpoints(ckpt):
             opt.step()
     finally:
         opt.close()
-    after = {name: open(os.path.join(ckpt, name), "rb").read() for name in os.listdir(ckpt) if name != "LOCK"}
+    after = {name: Path(ckpt, name).read_bytes() for name in os.listdir(ckpt) if name != "LOCK"}
     assert after == before, "a refused step must not change the directory"
 
 

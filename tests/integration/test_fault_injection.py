@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def reference(tmp_path_factory):
         if not cache:
             proc.wait(timeout=TIMEOUT_S)
             log.flush()
-            assert proc.returncode == 0, open(log.name).read()
+            assert proc.returncode == 0, Path(log.name).read_text()
             cache.update(read_digests(path))
             assert sorted(cache) == list(range(1, REF_STEPS + 1)), "the reference run is incomplete"
         return cache

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,10 +45,11 @@ def read_digests(path) -> dict:
     """{step: digest}; a line torn by the kill is ignored."""
     out = {}
     if os.path.exists(path):
-        for line in open(path):
-            m = DIGEST_LINE.match(line.strip())
-            if m:
-                out[int(m.group(1))] = m.group(2)
+        with open(path) as f:
+            for line in f:
+                m = DIGEST_LINE.match(line.strip())
+                if m:
+                    out[int(m.group(1))] = m.group(2)
     return out
 
 
@@ -70,7 +72,7 @@ def references(tmp_path_factory):
             path, log, proc = procs[key]
             proc.communicate(timeout=TIMEOUT_S)
             log.close()
-            assert proc.returncode == 0, open(log.name).read()
+            assert proc.returncode == 0, Path(log.name).read_text()
             cache[key] = read_digests(path)
             assert sorted(cache[key]) == list(range(1, STEPS + 1))
         return cache[key]
@@ -101,7 +103,7 @@ class Trainer:
                 return
         self.finish()
         raise AssertionError(f"the trainer exited ({self.proc.returncode}) before step {step}: "
-                             f"{self.lines[-3:]} {open(self.stderr.name).read()[-2000:]}")
+                             f"{self.lines[-3:]} {Path(self.stderr.name).read_text()[-2000:]}")
 
     def kill(self, sig) -> None:
         os.kill(self.proc.pid, sig)
@@ -135,7 +137,7 @@ class Trainer:
         return read_digests(self.digests_path)
 
     def stderr_text(self) -> str:
-        return open(self.stderr.name).read()
+        return Path(self.stderr.name).read_text()
 
 
 def check_resumed(trainer: Trainer, reference: dict) -> int:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_a_stale_manifest_never_deletes_newer_files(tmp_path, reference, caplog,
     restore from a backup): nothing is deleted, verify passes, resume lands on 37 exactly."""
     ckpt = str(tmp_path / "ckpt")
     train(ckpt, 0, 20, keep_full=keep_full)
-    stale = open(os.path.join(ckpt, MANIFEST_NAME), "rb").read()
+    stale = Path(ckpt, MANIFEST_NAME).read_bytes()
     train(ckpt, 20, 37, keep_full=keep_full)
     files_at_37 = checkpoint_files(ckpt)
     with open(os.path.join(ckpt, MANIFEST_NAME), "wb") as f:
@@ -282,6 +283,7 @@ def test_readers_beside_a_live_trainer_see_a_consistent_state(tmp_path, capsys):
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
 
 
 def test_paths_that_are_files_are_refused_by_name(tmp_path):
