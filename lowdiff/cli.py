@@ -10,11 +10,10 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from .batchfile import BatchReader
-from .errors import CheckpointError, CorruptCheckpointError, VersionMismatchError
-from .fullckpt import load_full, read_full_index
-from .inventory import check_entry, take_inventory
-from .manifest import MANIFEST_NAME, BatchEntry, FullEntry, plan_chain, read_manifest
+from .errors import CheckpointError
+from .fullckpt import read_full_index
+from .inventory import take_inventory
+from .manifest import plan_chain
 from .store import lock_holder
 
 
@@ -79,76 +78,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_full(path: str, entry: FullEntry, run: str | None) -> None:
-    index, _ = load_full(path)
-    check_entry(path, entry, index, os.path.getsize(path), run)
-
-
-def _verify_batch(path: str, entry: BatchEntry, run: str | None) -> None:
-    with BatchReader(path) as reader:
-        if reader.index_error:
-            raise reader.index_error
-        check_entry(path, entry, reader.index, reader.size, run)
-        for position in range(len(reader.entries)):
-            reader.read_record(position)
-        if reader.steps != list(range(entry.first, entry.last + 1)):
-            raise CorruptCheckpointError(path, f"holds steps {reader.steps[:1]}..{reader.steps[-1:]}, "
-                                               f"the manifest says {entry.first}..{entry.last}")
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Read every listed file completely and check every checksum and that each file is what the
-    manifest says it is. Exit 1 if anything does not verify or there is nothing to verify."""
+    """Read every listed file completely (in parallel), check every checksum and that each file is
+    what the manifest says it is, and say which steps are recoverable. Exit 1 if anything does not
+    verify, the newest listed step cannot be reached, or there is nothing to verify."""
+    from recovery import verify
+
     directory = _checkpoint_directory(args.directory)
     _note_live_trainer(directory)
-    problems = 0
-    try:  # resume can rebuild a damaged manifest from the files, but verify must still report it
-        if read_manifest(directory) is None:
-            problems += 1
-            print(f"MISSING  {os.path.join(directory, MANIFEST_NAME)}")
-    except CorruptCheckpointError as exc:
-        problems += 1
-        print(f"CORRUPT  {exc}")
-    inventory = take_inventory(directory, skip_other_versions=True)
-    for note in inventory.notes:
-        _warn(note)
-    manifest = inventory.manifest
-    checked = 0
-    for entry in manifest.fulls + manifest.batches:
-        path = os.path.join(directory, entry.file)
-        check = _verify_full if isinstance(entry, FullEntry) else _verify_batch
-        try:
-            check(path, entry, manifest.run)
-            checked += 1
-            adopted = "  (adopted: not listed in the manifest)" if entry.file in inventory.adopted else ""
-            print(f"ok       {entry.file}{adopted}")
-        except FileNotFoundError as exc:
-            if entry.file not in take_inventory(directory, skip_other_versions=True).manifest.files():
-                print(f"gone     {entry.file} (retired by the trainer writing this directory)")
-                continue
-            problems += 1
-            print(f"CORRUPT  {path}: missing ({exc.strerror})")
-        except VersionMismatchError as exc:
-            problems += 1
-            print(f"VERSION  {exc}")
-        except (CorruptCheckpointError, OSError, EOFError) as exc:
-            problems += 1
-            print(f"CORRUPT  {exc}")
-    if inventory.foreign_manifest:
-        problems += 1
-        print(f"FOREIGN  {os.path.join(directory, MANIFEST_NAME)}: lists none of the checkpoint files here "
-              f"(another directory's manifest?); the files were used instead")
-    for name in inventory.missing:
-        problems += 1
-        print(f"MISSING  {os.path.join(directory, name)} (listed in {MANIFEST_NAME})")
-    for name, why, label in inventory.ignored:
-        problems += 1
-        print(f"{label:<8} {os.path.join(directory, name)}: not used: {why}")
-    if not manifest.files() and not inventory.ignored:
+    report = verify(directory)
+    for name in report.ok_files:
+        print(f"ok       {name}" + ("  (adopted: not listed in the manifest)" if name in report.adopted else ""))
+    for name in report.gone:
+        print(f"gone     {name} (retired by the trainer writing this directory)")
+    for problem in report.problems:
+        print(f"{problem.label:<8} {problem.file}: {problem.why}")
+    if not report.ok_files and not report.problems:
         print(f"error: {directory} holds no lowdiff checkpoint")
         return 1
-    print(f"{checked} files verify, {problems} do not" + (" (see above)" if problems else ""))
-    return 1 if problems else 0
+    for full_step, full_file, last in report.recoverable:
+        print(f"recoverable steps {full_step}..{last} from {full_file}")
+    if report.newest_recoverable < report.newest_listed:
+        print(f"NEWEST   step {report.newest_listed} is listed but only step {report.newest_recoverable} "
+              f"can be recovered")
+    print(f"{len(report.ok_files)} files verify, {len(report.problems)} do not"
+          + (" (see above)" if report.problems else ""))
+    return 0 if report.ok else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:

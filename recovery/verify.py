@@ -51,9 +51,10 @@ def verify(directory, *, workers: int | None = None) -> VerifyReport:
     """Check every checksum, entry and chain of ``directory`` with ``workers`` threads."""
     directory = os.fspath(directory)
     check_workers(workers)
-    problems = _manifest_problems(directory)
     inventory = take_inventory(directory, skip_other_versions=True)
     manifest = inventory.manifest
+    empty = not manifest.files() and not inventory.ignored and inventory.committed is None
+    problems = [] if empty else _manifest_problems(directory)   # an empty directory is not damage
     entries = manifest.fulls + manifest.batches
     with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
         results = list(pool.map(lambda e: _check(directory, e, manifest.run), entries))
