@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from lowdiff.apply import apply_record
+from lowdiff.apply import GradientBuffers
 from lowdiff.errors import CorruptCheckpointError
 
 from .progress import Progress
@@ -80,13 +80,14 @@ def _tasks(chain: list, first_step: int, stop_step: int | None, warn):
             return
 
 
-def _load(reader, position: int, times: ReplayTimes):
+def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes):
+    """Read, verify and decode one record into per-buffer updates (a worker thread)."""
     started = time.perf_counter()
     data = reader.read_record_bytes(position)
     read = time.perf_counter()
-    record = reader.decode_record(position, data)
+    prepared = buffers.prepare(reader.decode_record(position, data))
     times.add(read - started, time.perf_counter() - read)
-    return record
+    return prepared
 
 
 def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None, workers=None,
@@ -104,40 +105,42 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     progress = Progress(min(last_listed, stop_step if stop_step is not None else last_listed) - base_step,
                         "replaying differentials")
     in_flight: collections.deque = collections.deque()
+    buffers = GradientBuffers(params)
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
         try:
-            _fill(in_flight, tasks, pool, window, times)
+            _fill(in_flight, tasks, pool, window, buffers, times)
             while in_flight:
                 item = in_flight.popleft()
                 if isinstance(item, CorruptCheckpointError):
                     warn(f"lowdiff: {item}; resuming at step {step}, the last step that verifies")
                     break
                 try:
-                    record = item.result()
+                    prepared = item.result()
                 except (CorruptCheckpointError, OSError, EOFError) as exc:
                     warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
                     break
-                _fill(in_flight, tasks, pool, window, times)
+                _fill(in_flight, tasks, pool, window, buffers, times)
                 started = time.perf_counter()
-                apply_record(record, params, optimizer)
+                buffers.apply(prepared, optimizer)
                 times.apply_s += time.perf_counter() - started
                 times.records += 1
                 progress.update()
-                step, last = record.step, record
+                step, last = prepared.record.step, prepared.record
         finally:
             progress.close()
             for item in in_flight:
                 if isinstance(item, concurrent.futures.Future):
                     item.cancel()
-    for p in params:
-        p.grad = None
+            buffers.detach()
     return step, last
 
 
-def _fill(in_flight: collections.deque, tasks, pool, window: int, times: ReplayTimes) -> None:
+def _fill(in_flight: collections.deque, tasks, pool, window: int, buffers: GradientBuffers,
+          times: ReplayTimes) -> None:
     """Submit tasks until ``window`` are in flight (an error item ends the task list)."""
     while len(in_flight) < window and not (in_flight and isinstance(in_flight[-1], CorruptCheckpointError)):
         task = next(tasks, None)
         if task is None:
             return
-        in_flight.append(task if isinstance(task, CorruptCheckpointError) else pool.submit(_load, *task, times))
+        is_error = isinstance(task, CorruptCheckpointError)
+        in_flight.append(task if is_error else pool.submit(_load, *task, buffers, times))

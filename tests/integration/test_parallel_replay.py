@@ -17,11 +17,39 @@ from lowdiff.records import RECORD_HEADER
 
 STEPS = 25
 BAD_STEPS = {4, 11}          # GradScaler skips these (infinite loss)
+
+
+class GradInPlaceSGD(torch.optim.SGD):
+    """Adds weight decay into ``.grad`` in place before its update, as some optimizers do: replay
+    must not trust the gradient buffer to hold only what it wrote."""
+
+    def step(self, closure=None):
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.add_(p, alpha=0.01)
+        return super().step(closure)
+
+
+class DropsGradsSGD(torch.optim.SGD):
+    """Sets every ``.grad`` to None at the end of its step: replay must give them back."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return loss
+
+
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
     "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
     "adamw-amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, weight_decay=0.05),
+    "grad-in-place": lambda p: GradInPlaceSGD(p, lr=0.05, momentum=0.9),
+    "drops-grads": lambda p: DropsGradsSGD(p, lr=0.05),
 }
 
 
