@@ -63,13 +63,13 @@ def synthetic_grads(params: list, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=g) * 1e-2
 
 
-def make_run(directory: str, naive_dir: str, model_name: str, chain: int, ratio: float):
+def make_run(directory: str, naive_dir: str, model_name: str, chain: int, ratio: float | None):
     """Train ``chain`` steps with lowdiff (full at 0, TopK differentials in batches of 10) and save
     the naive baseline's files at the same time."""
     model = build_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = list(model.parameters())
-    compressor = lowdiff.TopK(ratio=ratio)
+    compressor = lowdiff.TopK(ratio=ratio) if ratio else lowdiff.Dense()
     wrapped = lowdiff.wrap(opt, model, directory, compressor=compressor, full_every=10 ** 9, batch_steps=10,
                            keep_full=4)
     recovery.resume(directory, model, wrapped)
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2-124m", choices=["gpt2-124m", "quick"])
     parser.add_argument("--chain", type=int, default=200, help="differentials after the full checkpoint")
-    parser.add_argument("--ratio", type=float, default=0.01, help="TopK ratio")
+    parser.add_argument("--ratio", type=float, default=0.01, help="TopK ratio (0: Dense differentials)")
     parser.add_argument("--lengths", default="0,50,100,200", help="chain lengths for the scaling table")
     parser.add_argument("--dir", help="work directory on the disk to measure (default: a temp dir here)")
     parser.add_argument("--csv", help="write the rows here")
@@ -204,7 +204,8 @@ def run(args, work: str) -> int:
     os.makedirs(naive_dir)
     cache = "page cache dropped before each recovery" if drop_caches() else \
         "page cache NOT dropped (not root): reads may come from memory"
-    log(f"bench_recovery: {args.model}, chain {args.chain}, TopK {args.ratio}, backend {fastio.backend()}; {cache}")
+    compression = f"TopK {args.ratio}" if args.ratio else "Dense"
+    log(f"bench_recovery: {args.model}, chain {args.chain}, {compression}, backend {fastio.backend()}; {cache}")
     make_run(directory, naive_dir, args.model, args.chain, args.ratio)
     step_s = optimizer_step_s(args.model)
     ckpt_bytes = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
@@ -228,7 +229,7 @@ def run(args, work: str) -> int:
     for row in rows:
         row["vs resume"] = f"{row['seconds'] / default:.2f}x"
         row["seconds"] = round(row["seconds"], 3)
-    print(f"\nrecovery of {args.chain} differentials, {args.model}, {cache}")
+    print(f"\nrecovery of {args.chain} {compression} differentials, {args.model}, {cache}")
     print(f"O_DIRECT read bandwidth {bandwidth / 2**20:.0f} MiB/s; optimizer steps of the replay (timed inside "
           f"the naive recovery) {steps_s / args.chain * 1e3:.1f} ms each; one step on random dense gradients "
           f"{step_s * 1e3:.1f} ms")

@@ -119,10 +119,10 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
                 except (CorruptCheckpointError, OSError, EOFError) as exc:
                     warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
                     break
-                _fill(in_flight, tasks, pool, window, buffers, times)
                 started = time.perf_counter()
                 buffers.apply(prepared, optimizer)
                 times.apply_s += time.perf_counter() - started
+                _fill(in_flight, tasks, pool, window, buffers, times)   # after: at most ``window`` held
                 times.records += 1
                 progress.update()
                 step, last = prepared.record.step, prepared.record

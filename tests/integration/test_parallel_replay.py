@@ -139,3 +139,36 @@ def test_workers_must_be_positive(tmp_path):
     train(directory, "sgd", lowdiff.Dense())
     with pytest.raises(ValueError, match="workers=0"):
         resumed(directory, "sgd", 0)
+
+
+def test_records_in_flight_stay_within_the_window(tmp_path, monkeypatch):
+    """Decoded records wait for the apply in a bounded window (4 per worker): a long chain never
+    holds more than that in memory, however much faster the workers decode than the apply runs."""
+    import recovery.replay as replay_module
+    from lowdiff.apply import GradientBuffers
+
+    directory = str(tmp_path / "ckpt")
+    trained = train(directory, "adam", lowdiff.Dense())
+    held, most = [0], [0]
+    load, apply = replay_module._load, GradientBuffers.apply
+
+    def counting_load(*args):
+        prepared = load(*args)
+        held[0] += 1
+        most[0] = max(most[0], held[0])
+        return prepared
+
+    def counting_apply(self, prepared, optimizer):
+        held[0] -= 1
+        return apply(self, prepared, optimizer)
+
+    def slow_apply(self, prepared, optimizer):   # the apply is the bottleneck, as on a real model
+        import time
+        time.sleep(0.01)
+        return counting_apply(self, prepared, optimizer)
+
+    monkeypatch.setattr(replay_module, "_load", counting_load)
+    monkeypatch.setattr(GradientBuffers, "apply", slow_apply)
+    step, state = resumed(directory, "adam", 2)
+    assert step == STEPS and same(state, trained)
+    assert 1 <= most[0] <= 4 * 2, most[0]
