@@ -102,7 +102,9 @@ class DiffWriter:
                 continue
             try:
                 if self._errors.error is None:
-                    pending.append((item.step, encode_record(item)))
+                    encoded = encode_record(item)
+                    pending.append((item.step, encoded))
+                    self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
             except BaseException as exc:
                 self._errors.error = exc
             if len(pending) >= self.controller.batch_steps:
@@ -120,7 +122,7 @@ class DiffWriter:
                 nbytes = write_batch(path, self.store.session, pending, run=self.store.run, engine=self._engine)
                 faults.point("batch-commit")
                 self.store.commit_batch(first, last, path, nbytes)
-                self.controller.batch_written(len(pending), time.perf_counter() - started)
+                self.controller.batch_written(len(pending), time.perf_counter() - started, nbytes)
         except BaseException as exc:
             self._errors.error = exc
         finally:
@@ -282,7 +284,7 @@ class FullWriter:
                 return  # discarded: the training thread saw the state change during the copy
             faults.point("full-commit")
             self.store.commit_full(step, path, nbytes, base=base)
-            self.controller.full_persisted(time.perf_counter() - started)
+            self.controller.full_persisted(time.perf_counter() - started, nbytes)
         except BaseException as exc:
             self._errors.error = exc
 

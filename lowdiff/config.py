@@ -29,7 +29,9 @@ class Scheduler(Stateful, Protocol):
 class WrapConfig:
     """full_every / batch_steps: an int, or "auto" to let the controller choose from measured costs.
     max_pending_batches: how many batches may be recorded but not yet durable before step() blocks;
-    a SIGKILL loses at most about that many batches of steps."""
+    a SIGKILL loses at most about that many batches of steps. failure_rate_per_hour, max_recovery_s
+    (a bound on load + replay at resume, None: none) and batch_memory_bytes (records held before
+    they are durable) are what the controller's choices for "auto" must respect (docs/controller.md)."""
 
     full_every: int | str = 100
     batch_steps: int | str = 10
@@ -37,6 +39,8 @@ class WrapConfig:
     max_pending_batches: int = 2
     overwrite: bool = False
     failure_rate_per_hour: float = 0.1
+    max_recovery_s: float | None = None
+    batch_memory_bytes: int = 256 * 2**20
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):
@@ -49,6 +53,10 @@ class WrapConfig:
             raise ValueError(f"max_pending_batches={self.max_pending_batches!r} must be >= 1")
         if not self.failure_rate_per_hour > 0:
             raise ValueError(f"failure_rate_per_hour={self.failure_rate_per_hour!r} must be > 0")
+        if self.max_recovery_s is not None and not self.max_recovery_s > 0:
+            raise ValueError(f"max_recovery_s={self.max_recovery_s!r} must be > 0 or None")
+        if not self.batch_memory_bytes > 0:
+            raise ValueError(f"batch_memory_bytes={self.batch_memory_bytes!r} must be > 0")
 
 
 def check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state) -> None:

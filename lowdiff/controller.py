@@ -1,43 +1,77 @@
-"""The controller: picks the full-checkpoint interval and the differential batch size.
+"""The controller: measures what checkpointing costs in this process and picks the full-checkpoint
+interval (``full_every``) and the differential batch size (``batch_steps``) that minimise the
+expected wasted time under the failure rate the user states (lowdiff.costmodel; derivation in
+docs/controller.md). With fixed settings it measures and reports, and changes nothing.
 
-With fixed settings it just reports them. With "auto" it uses costs measured while training runs:
-  T  step time, S  training-thread stall of a full snapshot, P  background persist time of a full
-  checkpoint, r  replay cost of one step at recovery (about one optimizer step), W  write time of a
-  differential batch, and the failure rate lambda the user states.
-Overhead per unit of training time is S/(F*T) for fulls plus lambda*(F*r/2) for the expected
-replay after a failure; its minimum is at F* = sqrt(2*S / (T*lambda*r)). F never goes below
-ceil(P/T), so a full checkpoint finishes persisting before the next one is due. The batch size
-is the smallest B whose write keeps the writer below half busy: W(B) <= B*T/2; a smaller B loses
-less on a crash (at most about two batches).
+Measurements are medians of recent samples (robust to the odd slow write or GC pause). Decisions
+are re-solved after every full checkpoint persists and every ``RESOLVE_EVERY_BATCHES`` batches, and
+applied only when the new optimum is predicted to waste clearly less than the settings in force
+(hysteresis), or when those settings break a constraint. Each applied decision is logged (logger
+"lowdiff", INFO) with its inputs and kept in ``history``.
 
 Thread safety: the training thread, the diff-writer thread and the full-writer thread all report
 to one Controller; one lock guards every method. ``full_every`` and ``batch_steps`` are read as
-plain attributes, without it: each is one int, replaced whole.
+plain attributes, without it: each is one int, replaced whole, and any value is safe to act on
+(a batch closes at whatever size it has; a full checkpoint is due when the interval in force says).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import math
 import statistics
 import threading
 import time
+from typing import Any
+
+from .costmodel import Costs, Evaluation, Limits, evaluate, solve
+from .records import decode_record
+
+log = logging.getLogger("lowdiff")
 
 AUTO_INITIAL_FULL_EVERY = 50
 AUTO_INITIAL_BATCH_STEPS = 8
-MAX_BATCH_STEPS = 64
+MAX_BATCH_STEPS = 256
 MAX_FULL_EVERY = 100_000
 SAMPLES_KEPT = 1000
+WINDOW = 63                   # samples behind each median
+RESOLVE_EVERY_BATCHES = 8
+DECODE_SAMPLE_EVERY = 64      # records between two timed decodes (the first record is always timed)
+HYSTERESIS = 0.05             # change only for a predicted waste at least this much (relative) lower ...
+HYSTERESIS_ABS = 1e-4         # ... and by at least this much of the wall-clock time
 
 
-class _Mean:
-    """Exponential moving average (None until the first sample)."""
+class _Window:
+    """The median of the last ``WINDOW`` samples (None before the first)."""
 
-    def __init__(self, weight: float = 0.2):
-        self.weight = weight
-        self.value: float | None = None
+    def __init__(self):
+        self.samples: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+        self.samples.append(sample)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One applied choice: the settings, what the model predicted for them and for the settings
+    they replaced, and the measured costs it was made from."""
+
+    steps_seen: int
+    time_s: float             # since the controller started
+    full_every: int
+    batch_steps: int
+    predicted_waste: float
+    previous_waste: float | None
+    reason: str
+    costs: dict
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class Controller:
@@ -45,84 +79,192 @@ class Controller:
 
     def __init__(self, config):
         self._lock = threading.Lock()
+        self._started = time.perf_counter()
         self.auto_full = config.full_every == "auto"
         self.auto_batch = config.batch_steps == "auto"
         self.full_every = AUTO_INITIAL_FULL_EVERY if self.auto_full else config.full_every
         self.batch_steps = AUTO_INITIAL_BATCH_STEPS if self.auto_batch else config.batch_steps
-        self.failure_rate_per_s = config.failure_rate_per_hour / 3600.0
-        self.step_s = _Mean()
-        self.optimizer_step_s = _Mean()
-        self.stall_s = _Mean(0.5)
-        self.persist_s = _Mean(0.5)
-        self.batch_write_s_per_step = _Mean(0.5)
-        self._last_step_end = None
-        # Raw samples of the recent past, for stats(): the averages above weigh the latest most.
+        self.limits = Limits(failure_rate_per_s=config.failure_rate_per_hour / 3600.0,
+                             max_recovery_s=config.max_recovery_s, batch_memory_bytes=config.batch_memory_bytes,
+                             max_pending_batches=config.max_pending_batches,
+                             max_full_every=MAX_FULL_EVERY, max_batch_steps=MAX_BATCH_STEPS)
+        self.history: list[Decision] = []
+        self.current: Evaluation | None = None   # the model's prediction for the settings in force
+        self._windows = {name: _Window() for name in (
+            "step_s", "optimizer_step_s", "record_s", "stall_s", "persist_s", "full_bytes",
+            "batch_write_s", "batch_bytes", "batch_steps", "decode_s")}
+        self._last_step_end: float | None = None
+        self._steps_seen = 0
+        self._records_seen = 0
+        self._batches_since_solve = 0
+        # Raw samples of the recent past, for stats().
         self.samples = {name: collections.deque(maxlen=SAMPLES_KEPT)
                         for name in ("full_stall_s", "full_persist_s", "batch_write_s")}
 
     # measurements -----------------------------------------------------------
     def step_finished(self, optimizer_step_s: float) -> None:
-        """Training thread, after each optimizer step."""
+        """Training thread, right after the inner optimizer step."""
         now = time.perf_counter()
         with self._lock:
             if self._last_step_end is not None:
-                self.step_s.add(now - self._last_step_end)
+                self._windows["step_s"].add(now - self._last_step_end)
             self._last_step_end = now
-            self.optimizer_step_s.add(optimizer_step_s)
+            self._windows["optimizer_step_s"].add(optimizer_step_s)
+            self._steps_seen += 1
+
+    def step_recorded(self, record_s: float) -> None:
+        """Training thread: what recording the step cost it (capture, compression, hand-over)."""
+        with self._lock:
+            self._windows["record_s"].add(record_s)
 
     def full_taken(self, stall_s: float) -> None:
         """Training thread, when a full checkpoint's stall has ended."""
         with self._lock:
-            self.stall_s.add(stall_s)
+            self._windows["stall_s"].add(stall_s)
             self.samples["full_stall_s"].append(stall_s)
             self._last_step_end = None  # the stall is not part of a normal step
 
-    def full_persisted(self, persist_s: float) -> None:
-        """Full-writer thread, when a full checkpoint is committed."""
+    def full_persisted(self, persist_s: float, nbytes: int) -> None:
+        """Full-writer thread, when a full checkpoint of ``nbytes`` is committed."""
         with self._lock:
-            self.persist_s.add(persist_s)
+            self._windows["persist_s"].add(persist_s)
+            self._windows["full_bytes"].add(float(nbytes))
             self.samples["full_persist_s"].append(persist_s)
-            self._update_locked()
+            self._resolve_locked("full checkpoint persisted")
 
-    def batch_written(self, steps: int, write_s: float) -> None:
-        """Diff-writer thread, when a batch of ``steps`` records is committed."""
+    def batch_written(self, steps: int, write_s: float, nbytes: int) -> None:
+        """Diff-writer thread, when a batch of ``steps`` records (``nbytes``) is committed."""
         with self._lock:
-            self.batch_write_s_per_step.add(write_s / max(steps, 1))
+            self._windows["batch_write_s"].add(write_s)
+            self._windows["batch_bytes"].add(float(nbytes))
+            self._windows["batch_steps"].add(float(max(steps, 1)))
             self.samples["batch_write_s"].append(write_s)
-            self._update_locked()
+            self._batches_since_solve += 1
+            if self._batches_since_solve >= RESOLVE_EVERY_BATCHES or not self.history:
+                self._resolve_locked("periodic")
+
+    def maybe_time_decode(self, encoded: list) -> None:
+        """Diff-writer thread, with a record just encoded: now and then, time decoding it — the
+        decode half of replaying it (the other half, the optimizer step, is timed in training)."""
+        with self._lock:
+            self._records_seen += 1
+            if (self._records_seen - 1) % DECODE_SAMPLE_EVERY:
+                return
+        data = b"".join(encoded)
+        started = time.perf_counter()
+        decode_record(data, "<timed sample>", 0)
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self._windows["decode_s"].add(elapsed)
+
+    # the model's inputs ------------------------------------------------------
+    def costs(self) -> Costs | None:
+        """The measured costs (medians of recent samples), or None until each has been seen."""
+        with self._lock:
+            return self._costs_locked()
+
+    def _costs_locked(self) -> Costs | None:
+        v = {name: window.value for name, window in self._windows.items()}
+        needed = ("step_s", "optimizer_step_s", "stall_s", "persist_s", "batch_write_s")
+        if any(v[name] is None for name in needed):
+            return None
+        record_s = v["record_s"] or 0.0
+        # The interval between step ends holds the recording too; Costs.step_s excludes it.
+        step_s = max(v["step_s"] - record_s, 1e-6)
+        # Every write's bytes/second is a lower bound on the device's bandwidth (its time also
+        # holds fixed costs); the best of them is tight once some write is large. Erring low
+        # over-charges bytes, the safe side.
+        writes = list(zip(self._windows["batch_write_s"].samples, self._windows["batch_bytes"].samples))
+        writes += zip(self._windows["persist_s"].samples, self._windows["full_bytes"].samples)
+        bandwidth = max(max(b / max(s, 1e-9) for s, b in writes), 1.0)
+        diff_bytes_per_step = v["batch_bytes"] / v["batch_steps"]
+        fixed_s = statistics.median(max(0.0, s - b / bandwidth) for s, b in
+                                    zip(self._windows["batch_write_s"].samples, self._windows["batch_bytes"].samples))
+        # Replay = read the record + decode it + the optimizer step; reading assumes the read
+        # bandwidth equals the write bandwidth (docs/controller.md), as does loading a full.
+        replay_s = v["optimizer_step_s"] + (v["decode_s"] or 0.0) + diff_bytes_per_step / bandwidth
+        return Costs(step_s=step_s, record_s=record_s, stall_s=v["stall_s"], persist_s=v["persist_s"],
+                     full_bytes=v["full_bytes"], batch_fixed_s=fixed_s, diff_bytes_per_step=diff_bytes_per_step,
+                     write_bytes_per_s=bandwidth, replay_s=replay_s, load_s=v["full_bytes"] / bandwidth)
 
     # decisions --------------------------------------------------------------
-    def _update_locked(self) -> None:
-        """Choose ``full_every``/``batch_steps`` again. The caller holds the lock."""
-        step_s = self.step_s.value
-        if not step_s:
+    def _resolve_locked(self, why: str) -> None:
+        """Solve the model again; apply its answer if it beats the settings in force by the
+        hysteresis margin, or if those break a constraint. The caller holds the lock."""
+        self._batches_since_solve = 0
+        costs = self._costs_locked()
+        if costs is None:
             return
-        if self.auto_full and self.stall_s.value is not None:
-            replay_s = max(self.optimizer_step_s.value or step_s * 0.1, 1e-6)
-            best = math.sqrt(2 * max(self.stall_s.value, 1e-6) / (step_s * self.failure_rate_per_s * replay_s))
-            floor = math.ceil((self.persist_s.value or 0.0) / step_s) + 1
-            self.full_every = int(min(MAX_FULL_EVERY, max(best, floor, 1)))
-        if self.auto_batch and self.batch_write_s_per_step.value is not None:
-            per_batch_s = self.batch_write_s_per_step.value * self.batch_steps
-            # W(B) ~= per_batch_s (dominated by fixed costs for small batches): need W <= B*T/2.
-            needed = math.ceil(2 * per_batch_s / step_s)
-            self.batch_steps = int(min(MAX_BATCH_STEPS, max(1, needed)))
+        self.current = evaluate(costs, self.limits, self.full_every, self.batch_steps)
+        if not (self.auto_full or self.auto_batch):
+            return
+        best = solve(costs, self.limits, full_every=None if self.auto_full else self.full_every,
+                     batch_steps=None if self.auto_batch else self.batch_steps)
+        decide = choose(self.current, best, first=not self.history)
+        if decide is None:
+            return
+        reason = f"{why}: {decide}"
+        assert best.batch_steps is not None  # solved with differentials
+        self.history.append(Decision(self._steps_seen, time.perf_counter() - self._started, best.full_every,
+                                     best.batch_steps, best.waste, self.current.waste, reason,
+                                     dataclasses.asdict(costs)))
+        log.info("lowdiff controller: full_every %d -> %d, batch_steps %d -> %d (%s); predicted waste %.4f%% "
+                 "(was %.4f%%), constraints broken before: %s; inputs: %s", self.full_every, best.full_every,
+                 self.batch_steps, best.batch_steps, reason, 100 * best.waste, 100 * self.current.waste,
+                 ", ".join(self.current.violated) or "none", _short(dataclasses.asdict(costs)))
+        self.full_every, self.batch_steps = best.full_every, best.batch_steps
+        self.current = best
 
-    def stats(self) -> dict:
-        """Median and max of the recent samples, in milliseconds, and how many there were."""
+    # reports ----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Median and max of the recent samples, in milliseconds, and how many there were; and
+        under "controller" the measured costs, the prediction for the settings in force and the
+        decision history (all JSON-serialisable: ``python -m lowdiff tune --stats`` reads them)."""
         with self._lock:
             samples = {name: list(values) for name, values in self.samples.items()}
-        out: dict[str, float | None] = {}
+            costs = self._costs_locked()
+            current = self.current
+            history = [d.as_dict() for d in self.history]
+        out: dict[str, Any] = {}
         for name, values in samples.items():
             key = name.removesuffix("_s")
             out[f"{key}_count"] = len(values)
             out[f"{key}_median_ms"] = statistics.median(values) * 1e3 if values else None
             out[f"{key}_max_ms"] = max(values) * 1e3 if values else None
+        out["controller"] = {
+            "auto_full": self.auto_full, "auto_batch": self.auto_batch,
+            "failure_rate_per_hour": self.limits.failure_rate_per_s * 3600.0,
+            "max_recovery_s": self.limits.max_recovery_s,
+            "costs": dataclasses.asdict(costs) if costs is not None else None,
+            "predicted": dataclasses.asdict(current) if current is not None else None,
+            "history": history}
         return out
 
     def describe(self) -> dict:
-        """The settings in force and the averages they were chosen from."""
+        """The settings in force and the medians they were chosen from."""
         with self._lock:
             return {"full_every": self.full_every, "batch_steps": self.batch_steps,
                     "auto_full": self.auto_full, "auto_batch": self.auto_batch,
-                    "step_s": self.step_s.value, "stall_s": self.stall_s.value, "persist_s": self.persist_s.value}
+                    "step_s": self._windows["step_s"].value, "stall_s": self._windows["stall_s"].value,
+                    "persist_s": self._windows["persist_s"].value, "decisions": len(self.history)}
+
+
+def choose(current: Evaluation, best: Evaluation, *, first: bool = False) -> str | None:
+    """Why to switch from ``current`` to ``best`` (None: keep ``current``). The first decision and
+    a setting that breaks a constraint the new one meets switch at once; otherwise the predicted
+    gain must clear both hysteresis margins, so noise in the measurements does not flip settings."""
+    if first:
+        return "first decision"
+    if (best.full_every, best.batch_steps) == (current.full_every, current.batch_steps):
+        return None
+    if current.violated and len(best.violated) < len(current.violated):
+        return f"settings in force break {', '.join(current.violated)}"
+    gain = current.waste - best.waste
+    if gain > HYSTERESIS * current.waste and gain > HYSTERESIS_ABS:
+        return f"predicted waste {100 * gain:.4f}% of the time lower"
+    return None
+
+
+def _short(values: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) and math.isfinite(v) else f"{k}={v}"
+                     for k, v in values.items())

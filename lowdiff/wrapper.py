@@ -78,7 +78,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                  batch_steps: int | Literal["auto"] = 10, scheduler: Scheduler | None = None,
                  extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
                  grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2,
-                 overwrite: bool = False, failure_rate_per_hour: float = 0.1, engine: Engine | None = None) -> None:
+                 overwrite: bool = False, failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
+                 batch_memory_bytes: int = 256 * 2**20, engine: Engine | None = None) -> None:
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
@@ -87,7 +88,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             fastio.engine()
         self.config = WrapConfig(full_every=full_every, batch_steps=batch_steps, keep_full=keep_full,
                                  max_pending_batches=max_pending_batches, overwrite=overwrite,
-                                 failure_rate_per_hour=failure_rate_per_hour)
+                                 failure_rate_per_hour=failure_rate_per_hour, max_recovery_s=max_recovery_s,
+                                 batch_memory_bytes=batch_memory_bytes)
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
@@ -169,6 +171,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # A full checkpoint copied in the background must be complete before state changes.
         # (Called from here so that its warning points at the caller of step().)
         session.fulls.release()
+        capture_started = time.perf_counter()
         groups_used = capture.hyperparameters()
         grads = None if skipped else capture.compress_gradients()
         started = time.perf_counter()
@@ -177,12 +180,15 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         recorded = False
         try:
-            session.controller.step_finished(time.perf_counter() - started)
+            optimizer_s = time.perf_counter() - started
+            session.controller.step_finished(optimizer_s)
             if self.scheduler is not None:
                 self.scheduler.step()
             record = capture.record(self.step_count, skipped, grads, groups_used)
             session.diffs.put(record)
             recorded = True
+            # What recording cost this step: all but the optimizer step (the controller's record_s).
+            session.controller.step_recorded(time.perf_counter() - capture_started - optimizer_s)
             faults.point("record")
             if session.full_checkpoint_due(self.step_count):
                 session.take_full(self.step_count, *capture.full_checkpoint(record.objects), base=False)
@@ -222,7 +228,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         thread's stall per full checkpoint (staging, plus waiting for a background copy at the
         next step), the background persist time of a full checkpoint and the write time of a
         differential batch (median/max over the last 1000, in ms), with the settings in force, and
-        how many steps found a parameter changed outside step() (each forced a full checkpoint)."""
+        how many steps found a parameter changed outside step() (each forced a full checkpoint).
+        Under "controller": the measured costs, the cost model's prediction for the settings in
+        force and the controller's decisions (JSON-serialisable; ``python -m lowdiff tune`` reads it)."""
         # Busy: a SIGTERM flushing while this holds the controller's lock would deadlock.
         with Busy(self):
             return self._session.stats(self.step_count, self.outside_changes)
@@ -269,9 +277,14 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
          batch_steps: int | Literal["auto"] = 10, scheduler: Scheduler | None = None,
          extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
          grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2, overwrite: bool = False,
-         failure_rate_per_hour: float = 0.1, engine: Engine | None = None) -> LowDiffOptimizer:
-    """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer."""
+         failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
+         batch_memory_bytes: int = 256 * 2**20, engine: Engine | None = None) -> LowDiffOptimizer:
+    """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer.
+    ``full_every``/``batch_steps="auto"``: chosen by the controller (docs/controller.md) from costs
+    measured while training and ``failure_rate_per_hour``, within ``max_recovery_s`` (load + replay
+    at resume) and ``batch_memory_bytes`` (records not yet durable)."""
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
                             keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
-                            overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour, engine=engine)
+                            overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour,
+                            max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes, engine=engine)

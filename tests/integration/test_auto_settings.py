@@ -1,8 +1,14 @@
-"""full_every="auto" and batch_steps="auto" run end to end, and resume stays exact."""
+"""full_every="auto" and batch_steps="auto" run end to end, and resume stays exact; settings that
+change in the middle of a run (as the controller's decisions do) leave every step replayable."""
+import numpy as np
 import torch
 
 import lowdiff
 import recovery
+from lowdiff.demo import state_digest
+from lowdiff_helpers import build, train_steps, wrap
+
+STEPS = 40
 
 
 def run(directory, steps, *, resume):
@@ -18,17 +24,55 @@ def run(directory, steps, *, resume):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    decisions = opt.controller.describe()
+    opt.flush()
+    decisions, stats = opt.controller.describe(), opt.stats()
     opt.close()
-    return model, decisions, start
+    return model, decisions, stats, start
 
 
 def test_auto_settings_measure_decide_and_resume_exactly(tmp_path):
-    ref, decisions, _ = run(tmp_path / "ref", 40, resume=False)
+    ref, decisions, stats, _ = run(tmp_path / "ref", STEPS, resume=False)
     assert decisions["step_s"] is not None and decisions["persist_s"] is not None
-    assert decisions["full_every"] >= 1 and 1 <= decisions["batch_steps"] <= 64
+    assert decisions["decisions"] >= 1 and decisions["full_every"] >= 1 and decisions["batch_steps"] >= 1
+    history = stats["controller"]["history"]
+    assert history[-1]["full_every"] == stats["full_every"] and history[-1]["batch_steps"] == stats["batch_steps"]
+    assert stats["controller"]["costs"]["replay_s"] > 0
     run(tmp_path / "run", 23, resume=False)
-    model, _, start = run(tmp_path / "run", 40, resume=True)
+    model, _, _, start = run(tmp_path / "run", STEPS, resume=True)
     assert start == 23
     for a, b in zip(ref.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def _resumed_digest(directory, step):
+    model, opt, sched, sampler = build()
+    torch.manual_seed(777)   # resume must restore the RNG, whatever it holds now
+    np.random.seed(777)
+    got = recovery.resume(str(directory), model, opt, step=step, scheduler=sched, extra_state={"sampler": sampler})
+    return got, state_digest(model, opt, sched, sampler)
+
+
+def test_settings_changing_mid_run_keep_every_chain_replayable(tmp_path, rng):
+    """Both settings change every few steps, as an auto controller's decisions would: batches of
+    every size and full checkpoints at irregular steps. Every retained step resumes exactly."""
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, full_every="auto", batch_steps="auto",
+               keep_full=100)
+    digests = {0: state_digest(model, opt, sched, sampler)}
+    changes = []
+
+    def decide(step):
+        digests[step] = state_digest(model, opt, sched, sampler)
+        if step % 3 == 0:  # a decision: what the controller would apply from its own thread
+            opt.controller.full_every, opt.controller.batch_steps = int(rng.integers(2, 9)), int(rng.integers(1, 6))
+            changes.append((step, opt.controller.full_every, opt.controller.batch_steps))
+
+    try:
+        train_steps(model, opt, sched, sampler, 0, 30, decide)
+        opt.flush()
+    finally:
+        opt.close()
+    assert len({c[1:] for c in changes}) > 3
+    for step in range(31):
+        assert _resumed_digest(directory, step) == (step, digests[step]), f"step {step} (changes {changes})"

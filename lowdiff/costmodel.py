@@ -1,0 +1,251 @@
+"""The cost model behind the controller: the expected fraction of wall-clock time that checkpointing
+and failures waste, for a full-checkpoint interval F and a differential batch size B, and the (F, B)
+that minimise it under the pipeline, bandwidth, memory and recovery-time constraints.
+
+Derivation and every assumption: docs/controller.md. Pure functions of frozen inputs (no clock, no
+torch): the online controller, ``python -m lowdiff tune`` and experiments/tune_frequency.py all call
+the same ``evaluate``/``solve``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Measured costs, in seconds and bytes.
+
+    step_s: one training iteration without checkpointing work on the training thread.
+    record_s: what recording a differential adds to each step (0 for full-only checkpointing).
+    stall_s: training-thread stall of one full checkpoint.  persist_s: its background persist time.
+    full_bytes: its size.  batch_fixed_s: the fixed cost of one differential batch write (open,
+    fdatasync, rename, manifest commit).  diff_bytes_per_step: one step's record on disk.
+    write_bytes_per_s: the device's sustained write bandwidth.  replay_s: replaying one differential
+    (read + decode + optimizer step).  load_s: loading a full checkpoint.  restart_s: from a failure
+    to the restarted process calling resume (scheduler, interpreter, imports, model build).
+    """
+
+    step_s: float
+    stall_s: float
+    persist_s: float
+    replay_s: float
+    load_s: float
+    record_s: float = 0.0
+    full_bytes: float = 0.0
+    batch_fixed_s: float = 0.0
+    diff_bytes_per_step: float = 0.0
+    write_bytes_per_s: float = math.inf
+    restart_s: float = 0.0
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+                raise ValueError(f"Costs.{field.name}={value!r} must be a number >= 0")
+        if not self.step_s > 0:
+            raise ValueError(f"Costs.step_s={self.step_s!r} must be > 0")
+        if not self.write_bytes_per_s > 0:
+            raise ValueError(f"Costs.write_bytes_per_s={self.write_bytes_per_s!r} must be > 0")
+
+    def batch_write_s(self, batch_steps: int) -> float:
+        """Write time of a batch of ``batch_steps`` records: fixed cost + bytes at the bandwidth."""
+        return self.batch_fixed_s + batch_steps * self.diff_bytes_per_step / self.write_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The failure rate and the constraints of the search.
+
+    max_utilisation: the share of the device that full persists plus differential writes may keep
+    busy on average (the rest is headroom for bursts and for the training's own I/O).
+    batch_memory_bytes: records held in memory before they are durable (max_pending_batches
+    batches of B records each) must fit in this.
+    """
+
+    failure_rate_per_s: float
+    max_recovery_s: float | None = None
+    batch_memory_bytes: float = 256 * 2**20
+    max_pending_batches: int = 2
+    max_utilisation: float = 0.9
+    max_full_every: int = 100_000
+    max_batch_steps: int = 256
+
+    def __post_init__(self):
+        if not self.failure_rate_per_s > 0:
+            raise ValueError(f"Limits.failure_rate_per_s={self.failure_rate_per_s!r} must be > 0")
+        if self.max_recovery_s is not None and not self.max_recovery_s > 0:
+            raise ValueError(f"Limits.max_recovery_s={self.max_recovery_s!r} must be > 0 or None")
+        if not 0 < self.max_utilisation <= 1:
+            raise ValueError(f"Limits.max_utilisation={self.max_utilisation!r} must be in (0, 1]")
+        for name in ("max_pending_batches", "max_full_every", "max_batch_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name}={getattr(self, name)!r} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What the model predicts for one setting. ``batch_steps`` None: full checkpoints only."""
+
+    full_every: int
+    batch_steps: int | None
+    waste: float             # expected fraction of wall-clock time not spent on useful steps
+    overhead: float          # of which checkpointing costs without failures
+    per_failure_s: float     # expected time one failure costs (restart, recovery, lost work, base full)
+    worst_recovery_s: float  # load + replay of the longest chain resume may have to replay
+    violated: tuple[str, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violated
+
+
+def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | None) -> Evaluation:
+    """Expected waste of checkpointing every ``full_every`` steps with differentials batched
+    ``batch_steps`` at a time (None: no differentials), and which constraints it breaks."""
+    diffs = batch_steps is not None
+    base_s = costs.step_s + (costs.record_s if diffs else 0.0)       # a step, without full checkpoints
+    step_s = base_s + costs.stall_s / full_every                     # a step, fulls amortised
+    if batch_steps is not None:
+        write_s = costs.batch_write_s(batch_steps)
+        lost_steps = batch_steps / 2 + write_s / step_s
+        replay_steps = max(0.0, full_every / 2 + costs.persist_s / step_s - lost_steps)
+        worst_recovery_s = costs.load_s + costs.replay_s * (full_every + costs.persist_s / base_s)
+    else:
+        write_s = 0.0
+        lost_steps = full_every / 2 + costs.persist_s / step_s
+        replay_steps = 0.0
+        worst_recovery_s = costs.load_s
+    per_failure_s = (costs.restart_s + costs.load_s + costs.replay_s * replay_steps + step_s * lost_steps
+                     + costs.stall_s)  # the restarted session's base checkpoint
+    lost_share = min(1.0, limits.failure_rate_per_s * per_failure_s)
+    waste = 1.0 - (costs.step_s / step_s) * (1.0 - lost_share)
+    overhead = 1.0 - costs.step_s / step_s
+    violated = []
+    if costs.persist_s > full_every * base_s:
+        violated.append("persist")
+    utilisation = costs.persist_s / (full_every * base_s)
+    if batch_steps is not None:
+        utilisation += write_s / (batch_steps * base_s)
+    if utilisation > limits.max_utilisation:
+        violated.append("bandwidth")
+    if batch_steps is not None and \
+            limits.max_pending_batches * batch_steps * costs.diff_bytes_per_step > limits.batch_memory_bytes:
+        violated.append("memory")
+    if limits.max_recovery_s is not None and worst_recovery_s > limits.max_recovery_s:
+        violated.append("recovery")
+    return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated))
+
+
+def _full_every_bounds(costs: Costs, limits: Limits, batch_steps: int | None,
+                       recovery_bound: bool) -> tuple[int, int]:
+    """The feasible interval [lo, hi] of F for this B (lo > hi: none). Uses the step time without
+    amortised fulls, which is shorter, so the bounds are on the safe side."""
+    diffs = batch_steps is not None
+    base_s = costs.step_s + (costs.record_s if diffs else 0.0)
+    diff_share = costs.batch_write_s(batch_steps) / (batch_steps * base_s) if batch_steps is not None else 0.0
+    room = limits.max_utilisation - diff_share
+    if room <= 0:
+        return 1, 0
+    lo = max(1, math.ceil(costs.persist_s / base_s - 1e-9), math.ceil(costs.persist_s / (base_s * room) - 1e-9))
+    hi = limits.max_full_every
+    if recovery_bound and diffs and limits.max_recovery_s is not None:
+        if costs.replay_s > 0:
+            hi = min(hi, math.floor((limits.max_recovery_s - costs.load_s) / costs.replay_s - costs.persist_s / base_s))
+        elif costs.load_s > limits.max_recovery_s:
+            hi = 0
+    return lo, hi
+
+
+def _best_full_every(costs: Costs, limits: Limits, batch_steps: int | None, lo: int, hi: int) -> Evaluation:
+    """The waste is unimodal in F (log(1 - waste) is concave: docs/controller.md), so an integer
+    ternary search over [lo, hi] finds the minimum."""
+    def waste(f: int) -> float:
+        return evaluate(costs, limits, f, batch_steps).waste
+
+    while hi - lo > 2:
+        third = (hi - lo) // 3
+        a, b = lo + third, hi - third
+        if waste(a) <= waste(b):
+            hi = b
+        else:
+            lo = a
+    return min((evaluate(costs, limits, f, batch_steps) for f in range(lo, hi + 1)), key=lambda e: e.waste)
+
+
+def solve(costs: Costs, limits: Limits, *, differentials: bool = True, full_every: int | None = None,
+          batch_steps: int | None = None) -> Evaluation:
+    """The (F, B) of least expected waste that meets every constraint; ``full_every`` or
+    ``batch_steps`` given: that one is fixed and only the other is chosen; ``differentials=False``:
+    the best F for full checkpoints only. When ``max_recovery_s`` cannot be met, the best setting
+    without that bound is returned with "recovery" in ``violated``; when nothing keeps the writers
+    within the bandwidth, the least-utilising setting is returned likewise."""
+    for recovery_bound in (True, False):
+        best = _search(costs, limits, differentials, recovery_bound, full_every, batch_steps)
+        if best is not None:
+            if not recovery_bound:
+                best = evaluate(costs, limits, best.full_every, best.batch_steps)
+            return best
+    # Nothing fits: the largest batches and the rarest fulls utilise the device least.
+    if differentials:
+        batch_steps = batch_steps or min(limits.max_batch_steps, _memory_batch_cap(costs, limits))
+    return evaluate(costs, limits, full_every or limits.max_full_every, batch_steps if differentials else None)
+
+
+def _memory_batch_cap(costs: Costs, limits: Limits) -> int:
+    if costs.diff_bytes_per_step <= 0:
+        return limits.max_batch_steps
+    return max(1, int(limits.batch_memory_bytes // (limits.max_pending_batches * costs.diff_bytes_per_step)))
+
+
+def _search(costs: Costs, limits: Limits, differentials: bool, recovery_bound: bool,
+            fixed_full_every: int | None, fixed_batch_steps: int | None) -> Evaluation | None:
+    """Every B from 1 up, each with its best F. When replaying a step is cheaper than redoing it
+    (the case differentials exist for), the waste grows with B at a fixed F, so a larger B only
+    helps by lowering F's lower bound: once that bound no longer binds, stop. (Otherwise a lost
+    step costs less than a replayed one and every B is tried.)"""
+    def best_for(batch_steps: int | None) -> Evaluation | None:
+        lo, hi = _full_every_bounds(costs, limits, batch_steps, recovery_bound)
+        if fixed_full_every is not None:
+            lo, hi = max(lo, fixed_full_every), min(hi, fixed_full_every)
+        return _best_full_every(costs, limits, batch_steps, lo, hi) if lo <= hi else None
+
+    if not differentials:
+        return best_for(None)
+    if fixed_batch_steps is not None:
+        return best_for(fixed_batch_steps)
+    best: Evaluation | None = None
+    for batch_steps in range(1, min(limits.max_batch_steps, _memory_batch_cap(costs, limits)) + 1):
+        found = best_for(batch_steps)
+        if found is None:
+            continue
+        if best is None or found.waste < best.waste:
+            best = found
+        if costs.replay_s <= costs.step_s and \
+                found.full_every > _full_every_bounds(costs, limits, batch_steps, recovery_bound)[0]:
+            break
+    return best
+
+
+def young_daly_full_every(costs: Costs, limits: Limits) -> int:
+    """Daly's higher-order optimum for full checkpoints only (no differentials), with the training
+    stall as the checkpoint cost (the persist runs in the background); never below what the persist
+    pipeline allows. (Daly's interval does not depend on the restart time.)"""
+    mtbf_s = 1.0 / limits.failure_rate_per_s
+    delta = max(costs.stall_s, 1e-9)
+    if delta < 2 * mtbf_s:
+        x = delta / (2 * mtbf_s)
+        interval_s = math.sqrt(2 * delta * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - delta
+    else:
+        interval_s = mtbf_s
+    return max(1, round(interval_s / costs.step_s), math.ceil(costs.persist_s / costs.step_s - 1e-9))
+
+
+def checkfreq_full_every(costs: Costs, overhead_limit: float = 0.05) -> int:
+    """CheckFreq's policy (Mohan et al., FAST'21): checkpoint as often as the persist pipeline
+    allows (one persist in flight), backing off while the stall costs more than ``overhead_limit``
+    of the training time."""
+    full_every = max(1, math.ceil(costs.persist_s / costs.step_s - 1e-9))
+    while costs.stall_s / (full_every * costs.step_s) > overhead_limit:
+        full_every *= 2
+    return full_every

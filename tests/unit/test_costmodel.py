@@ -1,0 +1,107 @@
+"""The cost model: its optimum is the one derived in docs/controller.md, constraints bind where
+they should, and the baselines follow their published rules."""
+import math
+
+import pytest
+
+from lowdiff.costmodel import (Costs, Limits, checkfreq_full_every, evaluate, solve,
+                               young_daly_full_every)
+
+PER_HOUR = 1 / 3600
+
+
+def costs(**changes):
+    base = dict(step_s=0.1, stall_s=0.05, persist_s=0.5, replay_s=0.01, load_s=0.3, batch_fixed_s=0.002,
+                diff_bytes_per_step=1e5, write_bytes_per_s=1e9, full_bytes=6e7, restart_s=5.0)
+    return Costs(**{**base, **changes})
+
+
+def brute_force(c, limits, batch_range=range(1, 65), full_range=range(1, 5001)):
+    return min((evaluate(c, limits, f, b) for b in batch_range for f in full_range
+                if evaluate(c, limits, f, b).feasible), key=lambda e: e.waste)
+
+
+def test_full_interval_is_young_scaled_by_the_replay_to_step_ratio():
+    """First order: S/(F T) + lambda F r / 2 is least at F = sqrt(2 S / (lambda r T)): Young's
+    interval sqrt(2 S / lambda) stretched by sqrt(T / r) (replay replaces recomputation)."""
+    c, limits = costs(), Limits(failure_rate_per_s=PER_HOUR)
+    best = solve(c, limits)
+    expected = math.sqrt(2 * c.stall_s / (limits.failure_rate_per_s * c.replay_s * c.step_s))
+    assert best.feasible and best.batch_steps == 1
+    assert abs(best.full_every - expected) / expected < 0.02
+
+
+def test_full_only_interval_is_young():
+    c, limits = costs(), Limits(failure_rate_per_s=PER_HOUR)
+    best = solve(c, limits, differentials=False)
+    young_steps = math.sqrt(2 * c.stall_s / limits.failure_rate_per_s) / c.step_s
+    assert best.batch_steps is None and abs(best.full_every - young_steps) / young_steps < 0.02
+    assert abs(young_daly_full_every(c, limits) - young_steps) / young_steps < 0.02
+
+
+@pytest.mark.parametrize("changes,rate", [({}, PER_HOUR), ({"batch_fixed_s": 0.3}, PER_HOUR),
+                                          ({"persist_s": 20.0}, 12 * PER_HOUR), ({"replay_s": 0.2}, 60 * PER_HOUR)])
+def test_solver_finds_the_brute_force_optimum(changes, rate):
+    c, limits = costs(**changes), Limits(failure_rate_per_s=rate)
+    best, exhaustive = solve(c, limits), brute_force(c, limits)
+    assert best.waste == pytest.approx(exhaustive.waste, rel=1e-9)
+    assert best.feasible
+
+
+def test_persist_pipeline_binds_full_interval():
+    """A full checkpoint must finish persisting before the next one is taken."""
+    c, limits = costs(persist_s=30.0), Limits(failure_rate_per_s=3600 * PER_HOUR)
+    best = solve(c, limits)
+    assert best.full_every * c.step_s >= c.persist_s
+    assert evaluate(c, limits, best.full_every - 1, best.batch_steps).violated
+
+
+def test_batch_write_fixed_cost_binds_batch_size_through_bandwidth():
+    """Writes of 0.25 s fixed cost each cannot run every step of 0.1 s: B grows until the writer
+    keeps up, and no smaller B is feasible."""
+    c, limits = costs(batch_fixed_s=0.25), Limits(failure_rate_per_s=PER_HOUR)
+    best = solve(c, limits)
+    assert best.batch_steps > 2 and best.feasible
+    assert "bandwidth" in evaluate(c, limits, best.full_every, best.batch_steps - 1).violated
+
+
+def test_memory_budget_caps_batch_size():
+    c = costs(batch_fixed_s=0.25, diff_bytes_per_step=1e6)
+    limits = Limits(failure_rate_per_s=PER_HOUR, batch_memory_bytes=4e6, max_pending_batches=2)
+    best = solve(c, limits)
+    assert best.batch_steps <= 2
+    assert best.violated  # 0.25 s per write of at most two steps cannot keep up: said, not hidden
+
+
+def test_recovery_bound_shortens_the_chain():
+    c = costs()
+    free = solve(c, Limits(failure_rate_per_s=PER_HOUR))
+    bounded = solve(c, Limits(failure_rate_per_s=PER_HOUR, max_recovery_s=2.0))
+    assert bounded.worst_recovery_s <= 2.0 < free.worst_recovery_s
+    assert bounded.full_every < free.full_every and bounded.feasible
+
+
+def test_unreachable_recovery_bound_is_reported():
+    best = solve(costs(load_s=5.0), Limits(failure_rate_per_s=PER_HOUR, max_recovery_s=1.0))
+    assert "recovery" in best.violated
+
+
+def test_fixed_batch_only_chooses_the_interval():
+    c, limits = costs(), Limits(failure_rate_per_s=PER_HOUR)
+    best = solve(c, limits, batch_steps=16)
+    assert best.batch_steps == 16
+    assert best.waste == pytest.approx(brute_force(c, limits, batch_range=[16]).waste, rel=1e-9)
+
+
+def test_waste_grows_with_failure_rate_and_checkfreq_backs_off():
+    c = costs()
+    rare, often = (solve(c, Limits(failure_rate_per_s=r)).waste for r in (PER_HOUR / 12, PER_HOUR))
+    assert 0 < rare < often < 1
+    assert checkfreq_full_every(c) == 10          # ceil(P/T) = 5 would cost S/(5 T) = 10% > 5%
+    assert checkfreq_full_every(costs(stall_s=0.001)) == 5
+
+
+@pytest.mark.parametrize("field,value", [("step_s", 0.0), ("stall_s", -1.0), ("replay_s", float("nan"))])
+def test_costs_refuse_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        costs(**{field: value})
