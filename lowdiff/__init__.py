@@ -1,5 +1,6 @@
 """lowdiff: per-iteration checkpointing for PyTorch with exact resume."""
 from .compress import Dense, TopK
+from .data import ResumableLoader
 from .errors import (
                      CheckpointError,
                      CheckpointFileError,
@@ -15,4 +16,4 @@ from .wrapper import LowDiffOptimizer, wrap
 
 __all__ = ["CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
            "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
-           "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
+           "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "wrap"]

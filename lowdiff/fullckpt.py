@@ -192,6 +192,7 @@ class Snapshot:
             return writer.size
 
 
+_ZERO_COPY = ("/model/", "/optimizer/")   # subtrees whose large tensors are handed out as views
 LOAD_CHUNK_BYTES = 32 << 20   # a read of this size per queue slot: deep enough, and verify starts early
 
 
@@ -230,9 +231,10 @@ def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[FullIndex
             tensors[entry.key] = torch.empty(entry.shape, dtype=dtype)
         else:
             view = staging[start:start + entry.nbytes].view(dtype).view(entry.shape)
-            # Large tensors stay views of the read buffer (no copy). Small ones are cloned: some
-            # torch entry points (set_rng_state) mishandle views with a storage offset.
-            tensors[entry.key] = view if entry.nbytes >= PAGE else view.clone()
+            # Large model and optimizer tensors stay views of the read buffer (no copy). The rest
+            # is cloned: some torch entry points (set_rng_state, Generator.set_state) read a view
+            # with a storage offset from the start of its storage.
+            tensors[entry.key] = view if entry.nbytes >= PAGE and entry.key.startswith(_ZERO_COPY) else view.clone()
     skeleton = tree.loads(objects, path)
 
     def lookup(key):
