@@ -88,14 +88,15 @@ class ResumableLoader:
         if isinstance(loader.dataset, IterableDataset):
             raise TypeError("ResumableLoader cannot restore a position inside an IterableDataset: give the "
                             "dataset state_dict()/load_state_dict() and pass it in extra_state instead")
-        sampler = getattr(loader.batch_sampler, "sampler", None) if loader.batch_sampler is not None else loader.sampler
+        batches: Any = loader.batch_sampler
+        sampler: Any = getattr(batches, "sampler", None) if batches is not None else loader.sampler
         self.generator = getattr(sampler, "generator", None) or loader.generator or torch.Generator()
         if getattr(sampler, "generator", None) is None and loader.generator is None:
             self.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item())
                                        if seed is None else seed)
         if hasattr(sampler, "generator"):
             sampler.generator = self.generator   # shuffles from our generator, never the global RNG
-        self._sampler = sampler
+        self._sampler: Any = sampler
         self._seed = int(self.generator.initial_seed())
         self._loader = self._rebuild(loader, seed_samples)
         self.next_epoch = 0
