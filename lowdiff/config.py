@@ -41,6 +41,7 @@ class WrapConfig:
     failure_rate_per_hour: float = 0.1
     max_recovery_s: float | None = None
     batch_memory_bytes: int = 256 * 2**20
+    boundary: str = "step"    # "step": the end of opt.step(); "manual": opt.boundary()
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):
@@ -55,6 +56,9 @@ class WrapConfig:
             raise ValueError(f"failure_rate_per_hour={self.failure_rate_per_hour!r} must be > 0")
         if self.max_recovery_s is not None and not self.max_recovery_s > 0:
             raise ValueError(f"max_recovery_s={self.max_recovery_s!r} must be > 0 or None")
+        if self.boundary not in ("step", "manual"):
+            raise ValueError(f"boundary={self.boundary!r} must be 'step' (the end of opt.step()) or 'manual' "
+                             f"(opt.boundary())")
         if not self.batch_memory_bytes > 0:
             raise ValueError(f"batch_memory_bytes={self.batch_memory_bytes!r} must be > 0")
 

@@ -94,13 +94,14 @@ class StepCapture:
 
     def compress_gradients(self) -> list:
         """Compress every gradient in parameter order and put back the exact tensor recorded."""
+        for slot, p in enumerate(self.params):   # before any gradient or residual changes
+            if p.grad is not None and p.grad.is_sparse:
+                raise TypeError(f"parameter {self.param_names[slot]!r} has a sparse gradient; not supported")
         out = []
         for slot, p in enumerate(self.params):
             if p.grad is None:
                 out.append(NO_GRAD)
                 continue
-            if p.grad.is_sparse:
-                raise TypeError(f"parameter {self.param_names[slot]!r} has a sparse gradient; not supported")
             compressed = self._recorder.compress(p.grad, slot, self.residuals)
             # Under DDP the comm hook already produced the gradient: it is recorded unchanged.
             if self._recorder is self.compressor:

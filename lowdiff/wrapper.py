@@ -21,7 +21,7 @@ import torch
 import fastio
 from fastio._engine import Engine
 
-from . import faults
+from . import faults, loopchecks
 from .compress import Dense, TopK
 from .config import Scheduler, Stateful, WrapConfig, check_wrap_arguments
 from .controller import Controller
@@ -79,17 +79,20 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                  extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
                  grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2,
                  overwrite: bool = False, failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
-                 batch_memory_bytes: int = 256 * 2**20, engine: Engine | None = None) -> None:
+                 batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
+                 engine: Engine | None = None) -> None:
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
+        loopchecks.refuse_unreplayable(optimizer, model, scheduler)
+        loopchecks.warn_unsaved_scheduler(optimizer, scheduler, extra_state)
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
             fastio.engine()
         self.config = WrapConfig(full_every=full_every, batch_steps=batch_steps, keep_full=keep_full,
                                  max_pending_batches=max_pending_batches, overwrite=overwrite,
                                  failure_rate_per_hour=failure_rate_per_hour, max_recovery_s=max_recovery_s,
-                                 batch_memory_bytes=batch_memory_bytes)
+                                 batch_memory_bytes=batch_memory_bytes, boundary=boundary)
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
@@ -100,6 +103,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._session = CheckpointSession(directory, self.config, engine)
         self.step_count = 0
         self._capture.capture_base_boundary()
+        self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})
+        self._pending: tuple | None = None      # a step whose boundary is not recorded yet (manual)
         self._busy = 0                          # see lifecycle.Busy
         live.add(self)
         install_exit_hooks()
@@ -163,6 +168,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             session.take_full(self.step_count, *capture.base_checkpoint(), base=True)
         else:
             capture.check_untouched(self.step_count, session.force_full)
+        if self._pending is not None:
+            raise CheckpointError('wrap(boundary="manual"): call opt.boundary() after each opt.step() '
+                                  '(once the loop\'s work after the step is done) before the next opt.step()')
+        self._schedulers.step_starting()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -178,15 +187,50 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if not skipped:
             self.optimizer.step()
         self.step_count += 1
-        recorded = False
         try:
             optimizer_s = time.perf_counter() - started
             session.controller.step_finished(optimizer_s)
             if self.scheduler is not None:
                 self.scheduler.step()
+        except BaseException:
+            session.step_failed(False)
+            capture.mark_state()
+            raise
+        self._pending = (skipped, grads, groups_used, capture_started, optimizer_s)
+        try:
+            if self.config.boundary == "step":
+                self._record_boundary()
+        finally:
+            # Our own failure is not the user's change outside step().
+            capture.mark_state()
+        return loss
+
+    def boundary(self) -> None:
+        """With ``wrap(boundary="manual")``: the iteration ends here. The step just taken is recorded
+        with the RNG, buffers, scheduler and ``extra_state`` as they are now, after the work the loop
+        did since ``opt.step()`` (validation, a ReduceLROnPlateau or EMA update, a scheduler stepped
+        by the loop). Call it once after every ``opt.step()``."""
+        if self.config.boundary != "manual":
+            raise CheckpointError('boundary() is for wrap(boundary="manual"); by default the iteration '
+                                  'boundary is the end of opt.step()')
+        if self._pending is None:
+            raise CheckpointError("boundary() without an opt.step() since the last boundary()")
+        with Busy(self):
+            self._record_boundary()
+
+    def _record_boundary(self) -> None:
+        """Record the pending step with the boundary objects as they are now; take a full
+        checkpoint if one is due."""
+        session, capture = self._session, self._capture
+        assert self._pending is not None
+        skipped, grads, groups_used, capture_started, optimizer_s = self._pending
+        self._pending = None
+        recorded = False
+        try:
             record = capture.record(self.step_count, skipped, grads, groups_used)
             session.diffs.put(record)
             recorded = True
+            self._schedulers.step_finished()
             # What recording cost this step: all but the optimizer step (the controller's record_s).
             session.controller.step_recorded(time.perf_counter() - capture_started - optimizer_s)
             faults.point("record")
@@ -200,10 +244,6 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # a full checkpoint at the end of the next step so that resuming is exact from there.
             session.step_failed(recorded)
             raise
-        finally:
-            # Our own failure is not the user's change outside step().
-            capture.mark_state()
-        return loss
 
     # ------------------------------------------------------------ resume support
     def continue_after(self, step: int, residuals: dict[int, torch.Tensor] | None = None) -> None:
@@ -247,6 +287,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._session.check_writers()
             return
         with Busy(self):
+            if self._pending is not None:     # manual boundary: the iteration ends here
+                self._record_boundary()
             self._session.flush()
 
     def close(self) -> None:
@@ -258,6 +300,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             return
         try:
             with Busy(self):
+                if self._pending is not None:     # manual boundary: the iteration ends here
+                    self._record_boundary()
                 self._session.close_writers()
         finally:
             self._session.close_store()
@@ -278,13 +322,16 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
          extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
          grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2, overwrite: bool = False,
          failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
-         batch_memory_bytes: int = 256 * 2**20, engine: Engine | None = None) -> LowDiffOptimizer:
+         batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
+         engine: Engine | None = None) -> LowDiffOptimizer:
     """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer.
     ``full_every``/``batch_steps="auto"``: chosen by the controller (docs/controller.md) from costs
     measured while training and ``failure_rate_per_hour``, within ``max_recovery_s`` (load + replay
-    at resume) and ``batch_memory_bytes`` (records not yet durable)."""
+    at resume) and ``batch_memory_bytes`` (records not yet durable). ``boundary="manual"``: the
+    iteration boundary is ``opt.boundary()``, called by the loop after its work between steps."""
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
                             keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
                             overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour,
-                            max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes, engine=engine)
+                            max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes,
+                            boundary=boundary, engine=engine)

@@ -1,0 +1,97 @@
+"""Training-loop patterns lowdiff cannot make exact: refused at ``wrap()`` when they would fail
+half-way through a step, named in a warning (once) when they can only be seen while training runs.
+
+Refused, before anything is written: optimizers that re-evaluate the loss several times per step
+(LBFGS: one recorded gradient cannot replay it), sparse gradients (SparseAdam, ``sparse=True``
+embeddings), and a ``scheduler`` whose ``step()`` needs arguments (ReduceLROnPlateau needs a metric;
+lowdiff would call it without one after the optimizer had already stepped).
+
+Loops that do work between steps (validation, ReduceLROnPlateau, an EMA, a scheduler the loop
+steps) use ``wrap(boundary="manual")`` and call ``opt.boundary()`` when that work is done.
+
+Warned: an LR scheduler attached to the optimizer but given to lowdiff neither as ``scheduler`` nor
+in ``extra_state`` (its position would not be saved), and a scheduler stepped between two
+``opt.step()`` calls — the one given as ``scheduler`` (lowdiff steps it too: twice per step) or one
+in ``extra_state`` (captured at the end of ``opt.step()``, before the loop stepped it, so a resumed
+schedule would lag by a step).
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+_PLATEAU_HINT = ("Step it yourself after validation, pass it in extra_state and wrap with "
+                 "boundary=\"manual\", calling opt.boundary() once that work is done")
+
+
+def refuse_unreplayable(optimizer, model, scheduler) -> None:
+    """Raise (TypeError/ValueError naming the object and what to do) for what cannot be recorded."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("torch.optim.LBFGS evaluates the closure several times per step, each time with "
+                        "new gradients: one recorded gradient cannot replay its step, so lowdiff cannot "
+                        "checkpoint it per step (checkpoint it with full state saves instead)")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError("torch.optim.SparseAdam needs sparse gradients, which lowdiff does not record")
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            raise ValueError(f"module {name!r} ({type(module).__name__}) has sparse=True: its sparse gradients "
+                             f"are not recorded; build it with sparse=False")
+    if scheduler is not None and _step_needs_arguments(scheduler):
+        raise TypeError(f"scheduler ({type(scheduler).__name__}) needs arguments to step(); lowdiff steps "
+                        f"the scheduler without arguments at the end of opt.step(). " + _PLATEAU_HINT)
+
+
+def _step_needs_arguments(scheduler) -> bool:
+    try:
+        signature = inspect.signature(scheduler.step)
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in signature.parameters.values())
+
+
+def warn_unsaved_scheduler(optimizer, scheduler, extra_state) -> None:
+    """torch marks an optimizer's step once an LR scheduler is built on it; if lowdiff was given
+    no scheduler of that optimizer, its position would be lost at resume."""
+    if not getattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched", False):
+        return
+    given = [scheduler, *(extra_state or {}).values()]
+    if any(getattr(obj, "optimizer", None) is optimizer for obj in given if obj is not None):
+        return
+    warnings.warn("an LR scheduler is attached to this optimizer but lowdiff was not given it: its position "
+                  "is not checkpointed and a resumed run would restart the schedule. Pass it as "
+                  "wrap(scheduler=...) and let opt.step() step it (do not step it yourself)",
+                  RuntimeWarning, stacklevel=4)
+
+
+class SchedulerWatch:
+    """Sees schedulers stepped between ``opt.step()`` calls (by their ``last_epoch``)."""
+
+    def __init__(self, scheduler, extra_state: dict):
+        self.watched = {"scheduler": scheduler} if scheduler is not None else {}
+        self.watched.update({f"extra_state[{name!r}]": obj for name, obj in extra_state.items()
+                             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)})
+        self.seen: dict[str, int] = {}
+        self.warned: set[str] = set()
+
+    def step_finished(self) -> None:
+        """At the end of ``opt.step()``, after lowdiff stepped its scheduler and captured state."""
+        for name, obj in self.watched.items():
+            self.seen[name] = obj.last_epoch
+
+    def step_starting(self) -> None:
+        for name, obj in self.watched.items():
+            if name in self.warned or self.seen.get(name, obj.last_epoch) == obj.last_epoch:
+                continue
+            self.warned.add(name)
+            if name == "scheduler":
+                why = ("it is stepped outside opt.step() as well as by lowdiff (which steps it at the end of "
+                       "opt.step()): twice per step. Do not step it yourself")
+            else:
+                why = ("it is stepped after lowdiff captured it at the iteration boundary (the end of "
+                       "opt.step(), or opt.boundary()): a resumed schedule would lag one step. Pass it as "
+                       "wrap(scheduler=...) and do not step it yourself, or wrap with boundary=\"manual\" "
+                       "and call opt.boundary() after stepping it")
+            warnings.warn(f"lowdiff: {name} ({type(obj).__name__}): {why}", RuntimeWarning, stacklevel=4)
