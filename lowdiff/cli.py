@@ -159,6 +159,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok_start and ok_end else 1
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Recommended full_every/batch_steps for measured costs (docs/controller.md), next to baselines."""
+    import json
+
+    from .costmodel import Limits, costs_from_stats, tune_table
+
+    stats = {}
+    if args.stats:
+        with open(args.stats) as f:
+            stats = json.load(f)
+    flags = {name: getattr(args, name) for name in ("step_s", "stall_s", "persist_s", "replay_s", "load_s",
+                                                    "record_s", "batch_fixed_s", "diff_bytes_per_step",
+                                                    "write_bytes_per_s", "restart_s")}
+    costs = costs_from_stats(stats, **flags)
+    limits = Limits(failure_rate_per_s=args.failure_rate_per_hour / 3600.0, max_recovery_s=args.max_recovery_s)
+    print(f"failure rate {args.failure_rate_per_hour:g}/h; step {costs.step_s * 1e3:.1f} ms, full stall "
+          f"{costs.stall_s * 1e3:.1f} ms, persist {costs.persist_s:.2f} s, replay {costs.replay_s * 1e3:.2f} ms/step")
+    print(f"{'setting':<24}{'full_every':>11}{'batch':>7}{'waste %':>10}{'lost h/1000h':>13}"
+          f"{'recovery s':>11}  constraints broken")
+    for label, e in tune_table(costs, limits):
+        print(f"{label:<24}{e.full_every:>11}{e.batch_steps if e.batch_steps is not None else '-':>7}"
+              f"{100 * e.waste:>10.3f}{1000 * e.waste:>13.1f}{e.worst_recovery_s:>11.2f}  "
+              f"{', '.join(e.violated) or '-'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowdiff", description="lowdiff checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step", type=int)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("tune", help="recommend full_every/batch_steps from measured costs and a failure rate")
+    p.add_argument("--stats", help="a run's opt.stats() saved as JSON (its measured costs)")
+    p.add_argument("--failure-rate-per-hour", type=float, required=True)
+    p.add_argument("--max-recovery-s", type=float)
+    for name in ("step-s", "stall-s", "persist-s", "replay-s", "load-s", "record-s", "batch-fixed-s",
+                 "diff-bytes-per-step", "write-bytes-per-s", "restart-s"):
+        p.add_argument(f"--{name}", type=float, help="overrides the value in --stats")
+    p.set_defaults(func=cmd_tune)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

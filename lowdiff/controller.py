@@ -92,7 +92,11 @@ class Controller:
         self.current: Evaluation | None = None   # the model's prediction for the settings in force
         self._windows = {name: _Window() for name in (
             "step_s", "optimizer_step_s", "record_s", "stall_s", "persist_s", "full_bytes",
-            "batch_write_s", "batch_bytes", "batch_steps", "decode_s")}
+            "batch_write_s", "batch_bytes", "batch_steps", "decode_s", "busy_step_s")}
+        # A full checkpoint costs training more than its stall: the steps that run while it is
+        # copied and written share the CPU and memory bandwidth with it. Steps that end while one
+        # is in flight are measured apart ("busy_step_s"), and the difference is charged to it.
+        self._persist_in_flight = False
         self._last_step_end: float | None = None
         self._steps_seen = 0
         self._records_seen = 0
@@ -107,7 +111,7 @@ class Controller:
         now = time.perf_counter()
         with self._lock:
             if self._last_step_end is not None:
-                self._windows["step_s"].add(now - self._last_step_end)
+                self._windows["busy_step_s" if self._persist_in_flight else "step_s"].add(now - self._last_step_end)
             self._last_step_end = now
             self._windows["optimizer_step_s"].add(optimizer_step_s)
             self._steps_seen += 1
@@ -123,10 +127,12 @@ class Controller:
             self._windows["stall_s"].add(stall_s)
             self.samples["full_stall_s"].append(stall_s)
             self._last_step_end = None  # the stall is not part of a normal step
+            self._persist_in_flight = True
 
     def full_persisted(self, persist_s: float, nbytes: int) -> None:
         """Full-writer thread, when a full checkpoint of ``nbytes`` is committed."""
         with self._lock:
+            self._persist_in_flight = False
             self._windows["persist_s"].add(persist_s)
             self._windows["full_bytes"].add(float(nbytes))
             self.samples["full_persist_s"].append(persist_s)
@@ -183,9 +189,18 @@ class Controller:
         # Replay = read the record + decode it + the optimizer step; reading assumes the read
         # bandwidth equals the write bandwidth (docs/controller.md), as does loading a full.
         replay_s = v["optimizer_step_s"] + (v["decode_s"] or 0.0) + diff_bytes_per_step / bandwidth
-        return Costs(step_s=step_s, record_s=record_s, stall_s=v["stall_s"], persist_s=v["persist_s"],
+        return Costs(step_s=step_s, record_s=record_s, stall_s=self._full_cost_locked(), persist_s=v["persist_s"],
                      full_bytes=v["full_bytes"], batch_fixed_s=fixed_s, diff_bytes_per_step=diff_bytes_per_step,
                      write_bytes_per_s=bandwidth, replay_s=replay_s, load_s=v["full_bytes"] / bandwidth)
+
+    def _full_cost_locked(self) -> float:
+        """What one full checkpoint costs the training thread: its stall, plus what the steps
+        overlapping its persist took longer than the others (about persist / busy-step of them)."""
+        stall_s, busy_s = self._windows["stall_s"].value or 0.0, self._windows["busy_step_s"].value
+        clean_s, persist_s = self._windows["step_s"].value, self._windows["persist_s"].value or 0.0
+        if busy_s is None or clean_s is None or busy_s <= clean_s:
+            return stall_s
+        return stall_s + (busy_s - clean_s) * persist_s / busy_s
 
     # decisions --------------------------------------------------------------
     def _resolve_locked(self, why: str) -> None:

@@ -76,8 +76,8 @@ class Limits:
             raise ValueError(f"Limits.failure_rate_per_s={self.failure_rate_per_s!r} must be > 0")
         if self.max_recovery_s is not None and not self.max_recovery_s > 0:
             raise ValueError(f"Limits.max_recovery_s={self.max_recovery_s!r} must be > 0 or None")
-        if not 0 < self.max_utilisation <= 1:
-            raise ValueError(f"Limits.max_utilisation={self.max_utilisation!r} must be in (0, 1]")
+        if not self.max_utilisation > 0:  # above 1: no bandwidth bound (solve's last resort)
+            raise ValueError(f"Limits.max_utilisation={self.max_utilisation!r} must be > 0")
         for name in ("max_pending_batches", "max_full_every", "max_batch_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name}={getattr(self, name)!r} must be >= 1")
@@ -105,6 +105,9 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
     ``batch_steps`` at a time (None: no differentials), and which constraints it breaks."""
     diffs = batch_steps is not None
     base_s = costs.step_s + (costs.record_s if diffs else 0.0)       # a step, without full checkpoints
+    if batch_steps is not None:
+        # A writer that cannot keep up paces training (step() blocks on pending batches).
+        base_s = max(base_s, costs.batch_write_s(batch_steps) / batch_steps)
     step_s = base_s + costs.stall_s / full_every                     # a step, fulls amortised
     if batch_steps is not None:
         write_s = costs.batch_write_s(batch_steps)
@@ -186,10 +189,14 @@ def solve(costs: Costs, limits: Limits, *, differentials: bool = True, full_ever
             if not recovery_bound:
                 best = evaluate(costs, limits, best.full_every, best.batch_steps)
             return best
-    # Nothing fits: the largest batches and the rarest fulls utilise the device least.
-    if differentials:
-        batch_steps = batch_steps or min(limits.max_batch_steps, _memory_batch_cap(costs, limits))
-    return evaluate(costs, limits, full_every or limits.max_full_every, batch_steps if differentials else None)
+    # Nothing fits the bandwidth: the least waste without that bound (a writer that cannot keep
+    # up paces training, which evaluate charges), reported as violating it. Memory stays a bound.
+    relaxed = dataclasses.replace(limits, max_utilisation=1e9, max_recovery_s=None)
+    best = _search(costs, relaxed, differentials, False, full_every, batch_steps)
+    if best is None:  # not even the persist pipeline fits: the rarest fulls
+        best = evaluate(costs, relaxed, full_every or limits.max_full_every,
+                        (batch_steps or 1) if differentials else None)
+    return evaluate(costs, limits, best.full_every, best.batch_steps)
 
 
 def _memory_batch_cap(costs: Costs, limits: Limits) -> int:
@@ -249,3 +256,31 @@ def checkfreq_full_every(costs: Costs, overhead_limit: float = 0.05) -> int:
     while costs.stall_s / (full_every * costs.step_s) > overhead_limit:
         full_every *= 2
     return full_every
+
+
+# ---------------------------------------------------------------- the tuner (python -m lowdiff tune)
+FIXED_CHOICES = ((100, 10), (1000, 10), (50, 1), (500, 32))
+
+
+def costs_from_stats(stats: dict, **overrides: float) -> Costs:
+    """The measured costs in a run's ``opt.stats()`` (saved as JSON), with ``overrides`` (None
+    values ignored) replacing or completing them."""
+    measured = (stats.get("controller") or {}).get("costs") or {}
+    values = {**measured, **{k: v for k, v in overrides.items() if v is not None}}
+    missing = [f.name for f in dataclasses.fields(Costs) if f.default is dataclasses.MISSING and f.name not in values]
+    if missing:
+        raise ValueError(f"costs missing: {', '.join(missing)} (not in the stats and not given as flags)")
+    return Costs(**{f.name: float(values[f.name]) for f in dataclasses.fields(Costs) if f.name in values})
+
+
+def tune_table(costs: Costs, limits: Limits,
+               fixed: tuple[tuple[int, int], ...] = FIXED_CHOICES) -> list[tuple[str, Evaluation]]:
+    """The recommended setting, the best with full checkpoints only, Young/Daly and CheckFreq on
+    full checkpoints only, and ``fixed`` (full_every, batch_steps) settings, each with the model's
+    prediction."""
+    rows = [("recommended", solve(costs, limits)),
+            ("best full-only", solve(costs, limits, differentials=False)),
+            ("Young/Daly, full-only", evaluate(costs, limits, young_daly_full_every(costs, limits), None)),
+            ("CheckFreq, full-only", evaluate(costs, limits, checkfreq_full_every(costs), None))]
+    rows += [("fixed", evaluate(costs, limits, f, b)) for f, b in fixed]
+    return rows
