@@ -42,8 +42,13 @@ class DiffWriter:
     when sealed. At most ``max_pending_steps`` records may be recorded but not yet durable: beyond
     that ``put`` blocks (backpressure), which bounds what a crash can lose."""
 
-    def __init__(self, store, controller, max_pending_batches: int, engine=None):
+    def __init__(self, store, controller, max_pending_batches: int, engine=None, batch_format=None):
+        """``batch_format``: an object with ``encode(record)`` and ``write_batch(path, session,
+        records, run=, engine=)`` used instead of the plain record and batch file (a share of a
+        partitioned directory, lowdiff.partition)."""
         self.store = store
+        self._encode = encode_record if batch_format is None else batch_format.encode
+        self._write_batch = write_batch if batch_format is None else batch_format.write_batch
         self.controller = controller
         self.max_pending_batches = max_pending_batches
         self._engine = engine
@@ -102,7 +107,7 @@ class DiffWriter:
                 continue
             try:
                 if self._errors.error is None:
-                    encoded = encode_record(item)
+                    encoded = self._encode(item)
                     pending.append((item.step, encoded))
                     self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
             except BaseException as exc:
@@ -119,7 +124,8 @@ class DiffWriter:
                 started = time.perf_counter()
                 first, last = pending[0][0], pending[-1][0]
                 path = self.store.batch_path(first, last)
-                nbytes = write_batch(path, self.store.session, pending, run=self.store.run, engine=self._engine)
+                nbytes = self._write_batch(path, self.store.session, pending, run=self.store.run,
+                                           engine=self._engine)
                 faults.point("batch-commit")
                 self.store.commit_batch(first, last, path, nbytes)
                 self.controller.batch_written(len(pending), time.perf_counter() - started, nbytes)
@@ -203,12 +209,14 @@ class FullWriter:
     checkpoint is discarded with a warning and later ones are copied on the training thread.
     """
 
-    def __init__(self, store, controller, engine=None, background_copy: bool = True):
+    def __init__(self, store, controller, engine=None, background_copy: bool = True, snapshot=None):
+        """``snapshot``: the staging snapshot to reuse (default a whole-checkpoint ``Snapshot``; a
+        ``ShareSnapshot`` in a partitioned directory)."""
         self.store = store
         self.controller = controller
         self._engine = engine
         self.background_copy = background_copy
-        self._snapshot = Snapshot()
+        self._snapshot = snapshot if snapshot is not None else Snapshot()
         self._worker = _Worker("lowdiff-full-writer")
         self._errors = _ErrorSlot(store.durable_step)
         self._pending_copy: _BackgroundCopy | None = None

@@ -17,7 +17,10 @@ MAGIC = b"LOWDIFF\x00"
 TRAILER_MAGIC = b"LDINDEX\x00"
 KIND_FULL = 1
 KIND_DIFF = 2
-KIND_NAMES = {KIND_FULL: "full checkpoint", KIND_DIFF: "differential batch"}
+KIND_FULL_SHARE = 3   # a share of a full checkpoint in a partitioned directory (lowdiff.sharefile)
+KIND_DIFF_SHARE = 4   # a share of differentials in a partitioned directory
+KIND_NAMES = {KIND_FULL: "full checkpoint", KIND_DIFF: "differential batch",
+              KIND_FULL_SHARE: "full-checkpoint share", KIND_DIFF_SHARE: "differential share"}
 
 PREAMBLE = struct.Struct("<8sHH4x")      # magic, version, kind, reserved
 TRAILER = struct.Struct("<QQIHH8s")      # index offset, index length, index crc32, version, kind, magic

@@ -26,13 +26,22 @@ class CheckpointSession:
     it, with its original type, on every call until the session is closed (and after).
     """
 
-    def __init__(self, directory, config, engine=None):
+    def __init__(self, directory, config, engine=None, partition=None):
+        """``partition`` (lowdiff.partition.Partition): write this rank's shares into its rank
+        directory of ``directory`` instead of whole checkpoints into ``directory``."""
         self.config = config
         self.controller = Controller(config)
-        self.store = CheckpointStore(directory, config.keep_full)
+        if partition is None:
+            self.store = CheckpointStore(directory, config.keep_full)
+        else:
+            self.store = CheckpointStore(partition.directory, config.keep_full, complete=partition.complete)
+            partition.join(self.store)
+        self.partition = partition
         self.directory = self.store.directory
-        self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine)
-        self.fulls = FullWriter(self.store, self.controller, engine)
+        self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine,
+                                batch_format=partition)
+        self.fulls = FullWriter(self.store, self.controller, engine,
+                                snapshot=None if partition is None else partition.snapshot())
         self.closed = False
         self.base_taken = False
         self._resumed = False

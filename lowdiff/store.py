@@ -26,7 +26,9 @@ LOCK_NAME = "LOCK"
 
 
 class CheckpointStore:
-    def __init__(self, directory: str, keep_full: int = 2):
+    def __init__(self, directory: str, keep_full: int = 2, complete=None):
+        """``complete(fulls) -> {(step, session)}``: in a partitioned directory, which of this
+        directory's full checkpoints belong to a complete set; retention then counts only those."""
         if keep_full < 1:
             raise ValueError(f"keep_full={keep_full} must be >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -34,6 +36,7 @@ class CheckpointStore:
             raise NotADirectoryError(f"{self.directory} is a file, not a checkpoint directory")
         os.makedirs(self.directory, exist_ok=True)
         self.keep_full = keep_full
+        self._complete = complete
         self.session = secrets.token_hex(4)
         self._lock_fd = self._acquire_lock()
         self._mutex = threading.Lock()
@@ -100,7 +103,11 @@ class CheckpointStore:
     def commit_batch(self, first: int, last: int, path: str, nbytes: int) -> None:
         with self._mutex:
             entry = BatchEntry(first, last, os.path.basename(path), nbytes, self.session)
-            self._commit(dataclasses.replace(self.manifest, batches=self.manifest.batches + [entry]))
+            manifest = dataclasses.replace(self.manifest, batches=self.manifest.batches + [entry])
+            if self._complete is not None and len(manifest.fulls) > self.keep_full:
+                # Shares kept while a newer set was incomplete may go once it completes.
+                manifest = self._retain(manifest)
+            self._commit(manifest)
 
     def commit_full(self, step: int, path: str, nbytes: int, base: bool) -> None:
         """List a committed full checkpoint, then apply retention. ``base`` marks the first full
@@ -116,12 +123,18 @@ class CheckpointStore:
             self._commit(self._retain(manifest))
 
     def _retain(self, manifest: Manifest) -> Manifest:
-        """Keep the newest ``keep_full`` full checkpoints and the batches that continue them."""
-        kept = sorted(manifest.fulls, key=lambda f: f.step)[-self.keep_full:]
+        """Keep the newest ``keep_full`` full checkpoints and the batches that continue them. In a
+        partitioned directory only complete sets count, and every newer share is kept too: a rank
+        that died while writing its share of a newer set leaves the older complete sets loadable."""
+        fulls = sorted(manifest.fulls, key=lambda f: f.step)
+        if self._complete is not None:
+            done = self._complete(fulls)
+            fulls = [f for f in fulls if (f.step, f.session) in done]
+        kept = fulls[-self.keep_full:]
         if not kept:
             return manifest
         oldest = kept[0].step
-        return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f in kept],
+        return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f in kept or f.step > oldest],
                                    batches=[b for b in manifest.batches if b.last > oldest])
 
     def _commit(self, manifest: Manifest) -> None:

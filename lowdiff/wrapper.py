@@ -25,9 +25,10 @@ from . import faults, loopchecks
 from .compress import Dense, TopK
 from .config import Scheduler, Stateful, WrapConfig, check_wrap_arguments
 from .controller import Controller
-from .ddp import distributed_rank, rank_directory
+from .ddp import distributed_rank
 from .errors import CheckpointError
 from .lifecycle import Busy, install_exit_hooks, live
+from .partition import partition_for
 from .session import CheckpointSession
 from .stepcapture import StepCapture
 from .store import CheckpointStore
@@ -96,11 +97,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
-        if self.world_size > 1:
-            # Each rank records its own stream (its RNG, sampler and residuals differ); resume
-            # makes all ranks agree on one step.
-            directory = rank_directory(directory, self.rank)
-        self._session = CheckpointSession(directory, self.config, engine)
+        # Under torch.distributed each rank writes its share of every checkpoint, with its own
+        # RNG, sampler and residuals, into its rank directory (lowdiff.partition).
+        partition = partition_for(directory, self.rank, self.world_size, self._capture.params)
+        self._session = CheckpointSession(directory, self.config, engine, partition=partition)
         self.step_count = 0
         self._capture.capture_base_boundary()
         self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})

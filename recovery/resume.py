@@ -11,8 +11,10 @@ from lowdiff import LowDiffOptimizer, capture
 from lowdiff.config import Scheduler, Stateful
 from lowdiff.ddp import distributed_rank, rank_directory
 from lowdiff.errors import CheckpointError
+from lowdiff.partition import is_partitioned
 
 from .compat import check_compatible
+from .distributed import restore_partitioned
 from .replay import check_workers
 from .restore import Restored, checkpoint_directory, restore, warn
 
@@ -35,7 +37,8 @@ def restore_grad_scaler(scaler, stored) -> None:
 def apply_boundary(boundary, model, scheduler, extra_state: dict, grad_scaler, where: str) -> None:
     """Restore what the iteration boundary holds besides parameters and optimizer state."""
     capture.restore_buffers(model, boundary.buffers)
-    capture.restore_rng(boundary.rng)
+    if boundary.rng:   # empty for a rank that did not exist when a partitioned set was saved
+        capture.restore_rng(boundary.rng)
     if scheduler is not None and boundary.scheduler is not None:
         scheduler.load_state_dict(boundary.scheduler)
     capture.load_state_dicts(extra_state, boundary.extra, where)
@@ -120,17 +123,14 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
         raise ValueError(f"step={step!r} must be a step number >= 0, or None for the newest")
     check_workers(workers)
     targets = _Targets.of(model, optimizer, scheduler, extra_state, grad_scaler)
-    rank, world = distributed_rank()
-    if world > 1:
-        directory = rank_directory(directory, rank)
-    restored = _restore_agreed(directory, targets, world, step, workers)
+    restored, own = _restore_any_layout(directory, targets, step, workers)
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:
             wrapper.continue_after(0)
         return Resumed(0)
-    apply_boundary(restored.boundary, targets.model, targets.scheduler, targets.extra_state, targets.grad_scaler,
-                   f"step {restored.step} of {directory}")
+    apply_boundary(restored.boundary, targets.model, targets.scheduler, targets.extra_state if own else {},
+                   targets.grad_scaler, f"step {restored.step} of {directory}")
     residuals = restored.full_state.residuals
     if restored.last_record is not None and residuals:
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
@@ -178,11 +178,39 @@ class _Targets:
                          compressor=self.wrapper.compressor if self.wrapper else None, extra_state=self.extra_state)
 
     def apply_full(self, index, state) -> None:
-        self.model.load_state_dict(state.model)
+        # Parameters another optimizer trains are that optimizer's directory's to restore
+        # (check_full made sure everything else is there).
+        foreign = capture.trained_elsewhere(self.model, self.inner)
+        self.model.load_state_dict({k: v for k, v in state.model.items() if k not in foreign}, strict=not foreign)
         self.inner.load_state_dict(state.optimizer)
 
     def params(self, index) -> list:
         return [p for group in self.inner.param_groups for p in group["params"]]
+
+
+def _restore_any_layout(directory: str, targets: _Targets, step: int | None, workers: int | None):
+    """(Restored or None, whether this rank got its own per-rank state back). A partitioned
+    directory is restored at any world size (recovery.distributed); else, the single-process layout
+    (on every rank alike, with a warning when there are several), or rank directories of whole
+    checkpoints that lowdiff wrote before partitioning existed."""
+    rank, world = distributed_rank()
+    if is_partitioned(directory):
+        restored, own = restore_partitioned(directory, check_full=targets.check_full, apply_full=targets.apply_full,
+                                            params_for=targets.params, optimizer_for=lambda index: targets.inner,
+                                            stop_step=step, workers=workers)
+        if restored is not None:
+            if world > 1:
+                low, high = _agree(restored.step)
+                if low != high:
+                    raise CheckpointError(f"{directory}: ranks restored different steps ({low}..{high})")
+            return restored, own
+    restored = _restore_agreed(directory, targets, world, step, workers)
+    if restored is None and world > 1 and is_partitioned(directory):
+        return _restore_agreed(rank_directory(directory, rank), targets, world, step, workers), True
+    if restored is not None and world > 1 and rank == 0:
+        warn(f"lowdiff: {directory} was written by a single process: every rank resumes its state, including "
+             f"its RNG and extra_state")
+    return restored, True
 
 
 def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | None, workers: int | None):

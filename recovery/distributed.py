@@ -1,0 +1,307 @@
+"""recovery.distributed: resuming a partitioned directory (docs/format.md, "Partitioned
+directories") at any world size.
+
+Rank 0 picks the candidate full sets (complete in the rank directories' manifests, newest first)
+and sends the plan to every rank, so all ranks try the same sets in the same order. For a set of n
+shares and W resuming ranks, rank ``i mod W`` alone reads share i (its bytes of the shared payload,
+every piece's checksum checked, and its differential files) and sends them to the others; each rank
+reads its own per-rank part. The ranks then agree on which shares failed, and fall back together to
+an older set when one did. Every rank ends with the same bytes, so replay gives the same state on all.
+Without a process group (W = 1) the same code reads everything itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import fastio
+from lowdiff import tree
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from lowdiff.format import PAGE, FullIndex, FullState
+from lowdiff.manifest import Manifest, plan_chain
+from lowdiff.partition import rank_directories, rank_directory, read_manifests
+from lowdiff.records import dtype_from_name
+from lowdiff.sharefile import read_full_share_index, read_own, read_share_bytes_into
+
+from .replay import ReplayTimes, replay
+from .restore import Restored, warn
+from .sharechain import MergedShares, ShareFiles
+
+
+@dataclasses.dataclass(frozen=True)
+class FullSet:
+    """A complete full set: share i is ``files[i]``; ``chains[i]`` the differential files of share
+    i continuing it (names in ``rank-i/``)."""
+    step: int
+    session: str
+    count: int
+    files: tuple
+    chains: tuple
+
+
+def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
+    """(complete full sets at or before ``stop_step``, newest first; the newest step any rank
+    directory lists)."""
+    ranks = sorted(rank_directories(root))
+    manifests = read_manifests(root, ranks)
+    zero = manifests.get(0)
+    newest = max([b.last for m in manifests.values() if m for b in m.batches] +
+                 [f.step for m in manifests.values() if m for f in m.fulls], default=-1)
+    if zero is None:
+        return [], newest
+    sets = []
+    for full in sorted(zero.fulls, key=lambda f: f.step, reverse=True):
+        if stop_step is not None and full.step > stop_step:
+            continue
+        path = os.path.join(rank_directory(root, 0), full.file)
+        try:
+            with fastio.Reader(path) as reader:
+                count = read_full_share_index(path, reader).count
+        except (CheckpointError, OSError, EOFError) as exc:
+            warn(f"lowdiff: full-checkpoint share {path} does not verify ({exc}); falling back to an older set")
+            continue
+        entries = [next((f for f in m.fulls if (f.step, f.session) == (full.step, full.session)), None)
+                   if (m := manifests.get(i)) else None for i in range(count)]
+        if any(e is None for e in entries):
+            missing = [i for i, e in enumerate(entries) if e is None]
+            warn(f"lowdiff: the full checkpoint of step {full.step} is incomplete in {root}: shares {missing} of "
+                 f"{count} are not committed (a rank died while writing?); falling back to an older set")
+            continue
+        chains = tuple(tuple(b.file for b in _session_chain(manifests[i] or Manifest(), full.step, full.session))
+                       for i in range(count))
+        files = tuple(os.path.join(rank_directory(root, i), e.file) for i, e in enumerate(entries) if e is not None)
+        sets.append(FullSet(full.step, full.session, count, files, chains))
+    return sets, newest
+
+
+def _session_chain(manifest: Manifest, base_step: int, session: str) -> list:
+    """The batches of ``session`` continuing ``base_step`` contiguously."""
+    return plan_chain(Manifest(batches=[b for b in manifest.batches if b.session == session]), base_step)
+
+
+def _broadcast_plan(root: str, stop_step: int | None, world: int) -> tuple[list, int]:
+    if world == 1:
+        return plan_sets(root, stop_step)
+    plan: list = [plan_sets(root, stop_step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(plan, src=0)
+    return plan[0]
+
+
+def _agree_problems(problems: dict, world: int) -> dict:
+    """Every rank's {share: why} joined (a collective when ``world`` > 1)."""
+    if world == 1:
+        return problems
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, problems)
+    out: dict = {}
+    for part in gathered:
+        for share, why in part.items():
+            out.setdefault(share, why)
+    return out
+
+
+@dataclasses.dataclass
+class _Loaded:
+    index: object              # this rank's FullShareIndex (its own share, or share 0 for a new rank)
+    state: FullState
+    path: str
+
+
+def _read_share(fset: FullSet, rank: int, world: int, own: int, staging, problems: dict):
+    """This rank's reads of ``fset``: every share's index, its assigned shares' bytes into
+    ``staging`` (allocated here once the size is known), its own per-rank part."""
+    indexes = {}
+    for i, path in enumerate(fset.files):
+        try:
+            with fastio.Reader(path) as reader:
+                indexes[i] = read_full_share_index(path, reader)
+        except (CheckpointError, OSError, EOFError) as exc:
+            problems[i] = f"{path} does not verify ({exc})"
+    if problems:
+        return indexes, None, None
+    first = indexes[0]
+    for i, index in indexes.items():
+        if (index.step, index.session, index.run, index.count, index.layout) != \
+                (first.step, first.session, first.run, fset.count, first.layout):
+            problems[i] = f"{fset.files[i]} is not a share of the same set as {fset.files[0]}"
+    if problems:
+        return indexes, None, None
+    staging = staging(first.shared_bytes)
+    for i in range(rank, fset.count, world):
+        try:
+            with fastio.Reader(fset.files[i]) as reader:
+                read_share_bytes_into(fset.files[i], reader, indexes[i],
+                                      staging.view(indexes[i].start, indexes[i].end))
+        except (CheckpointError, OSError, EOFError) as exc:
+            problems[i] = f"{fset.files[i]} does not verify ({exc})"
+    try:
+        with fastio.Reader(fset.files[own]) as reader:
+            own_part = read_own(fset.files[own], reader, indexes[own])
+    except (CheckpointError, OSError, EOFError) as exc:
+        problems[own] = f"{fset.files[own]} does not verify ({exc})"
+        own_part = None
+    return indexes, staging, own_part
+
+
+def _exchange_bytes(indexes: dict, staging, count: int, world: int) -> None:
+    """Send each share's bytes from the rank that read it to every other rank."""
+    if world == 1:
+        return
+    whole = staging.tensor(indexes[0].shared_bytes) if indexes[0].shared_bytes else None
+    for i in range(count):
+        start, end = indexes[i].start, indexes[i].end
+        if end > start:
+            assert whole is not None
+            dist.broadcast(whole[start:end], src=i % world)
+
+
+def _state_of(path: str, index, staging, own_part) -> FullState:
+    """The full state: shared tensors as views of ``staging``, own tensors from ``own_part``."""
+    payload = staging.tensor(index.shared_bytes) if index.shared_bytes else torch.empty(0, dtype=torch.uint8)
+    layout = {e["key"]: e for e in index.layout}
+    own, objects = own_part
+
+    def lookup(key):
+        if key in layout:
+            e = layout[key]
+            dtype = dtype_from_name(e["dtype"], path)
+            if e["nbytes"] == 0:
+                return torch.empty(e["shape"], dtype=dtype)
+            view = payload[e["offset"]:e["offset"] + e["nbytes"]].view(dtype).view(e["shape"])
+            return view if e["nbytes"] >= PAGE else view.clone()
+        if key in own:
+            entry, data = own[key]
+            dtype = dtype_from_name(entry.dtype, path)
+            return torch.frombuffer(data, dtype=dtype).view(entry.shape) if entry.nbytes else \
+                torch.empty(entry.shape, dtype=dtype)
+        raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
+    return FullState.from_tree(path, tree.join_tensors(tree.loads(objects, path), lookup))
+
+
+def _load_set(fset: FullSet, rank: int, world: int) -> _Loaded | None:
+    """The set's state on this rank, or None (every rank alike) when a share does not verify."""
+    own = rank if rank < fset.count else 0
+    problems: dict = {}
+    holder: dict = {}
+
+    def staging(nbytes):
+        holder["buffer"] = fastio.aligned_buffer(max(nbytes, PAGE))
+        return holder["buffer"]
+    indexes, buffer, own_part = _read_share(fset, rank, world, own, staging, problems)
+    problems = _agree_problems(problems, world)
+    if problems:
+        for share, why in sorted(problems.items()):
+            warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; "
+                 f"falling back to an older set")
+        return None
+    _exchange_bytes(indexes, buffer, fset.count, world)
+    try:
+        return _Loaded(indexes[own], _state_of(fset.files[own], indexes[own], buffer, own_part), fset.files[own])
+    except CorruptCheckpointError as exc:   # the same on every rank: all read the same bytes
+        warn(f"lowdiff: {exc}; falling back to an older set")
+        return None
+
+
+def _exchange_chains(root: str, fset: FullSet, rank: int, world: int) -> list:
+    """[ShareFiles] of every share: rank ``i mod world`` reads share i's files and sends them."""
+    shares = []
+    for i, names in enumerate(fset.chains):
+        reader_rank = i % world
+        files: list = []
+        if reader_rank == rank:
+            for name in names:
+                path = os.path.join(rank_directory(root, i), name)
+                try:
+                    with open(path, "rb") as f:
+                        files.append((path, f.read()))
+                except OSError as exc:
+                    warn(f"lowdiff: {path} cannot be read ({exc}); the chain of share {i} ends before it")
+                    break
+        if world > 1:
+            sizes = [[(path, len(data)) for path, data in files]]
+            dist.broadcast_object_list(sizes, src=reader_rank)
+            received: list = []
+            for path, nbytes in sizes[0]:
+                data = torch.frombuffer(bytearray(files[len(received)][1]), dtype=torch.uint8) \
+                    if reader_rank == rank else torch.empty(nbytes, dtype=torch.uint8)
+                if nbytes:
+                    dist.broadcast(data, src=reader_rank)
+                received.append((path, data.numpy().tobytes() if nbytes else b""))
+            files = received
+        shares.append(ShareFiles(i, tuple(files)))
+    return shares
+
+
+def _full_index(share) -> FullIndex:
+    """The fields of a full checkpoint's index that compat checks and replay read."""
+    return FullIndex(share.step, share.session, share.run, 0, (), share.objects, share.param_names,
+                     share.param_aliases, share.optimizer_class, share.compressor)
+
+
+def _note_world_change(fset: FullSet, rank: int, world: int) -> None:
+    if rank == 0 and world < fset.count:
+        warn(f"lowdiff: the full checkpoint of step {fset.step} was written by {fset.count} ranks and {world} "
+             f"resume it: the per-rank state of ranks {world}..{fset.count - 1} (RNG, extra_state, error-feedback "
+             f"residuals) is dropped")
+    if rank >= fset.count:
+        warn(f"lowdiff: rank {rank} did not exist when step {fset.step} was saved by {fset.count} ranks: it gets "
+             f"rank 0's buffers and scheduler state, keeps its own RNG and extra_state as they were before resume, "
+             f"and starts with zero error-feedback residuals")
+
+
+def _replay_chain(root: str, fset: FullSet, index: FullIndex, rank: int, world: int, *, params, optimizer,
+                  stop_step, workers, times):
+    """Exchange and replay the differential shares continuing ``fset``: (last step, its record)."""
+    shares = _exchange_chains(root, fset, rank, world)
+    try:
+        merged = MergedShares(root, shares, fset.step, len(index.param_names),
+                              rank if rank < fset.count else None, warn)
+    except CorruptCheckpointError as exc:   # every rank decodes the same bytes: all stop here
+        warn(f"lowdiff: {exc}; resuming at step {fset.step}, the full checkpoint's step")
+        return fset.step, None
+    try:
+        return replay([(merged.entry(), merged)], fset.step, params, optimizer, stop_step=stop_step, warn=warn,
+                      times=times, workers=workers)
+    finally:
+        merged.close()
+
+
+def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimizer_for, stop_step=None,
+                        workers=None) -> tuple[Restored | None, bool]:
+    """Restore the newest state of the partitioned directory ``root`` (at or before ``stop_step``),
+    on every rank of the process group alike. Returns (what was restored, or None when no complete
+    set exists; whether this rank got its own per-rank state back). Callbacks as recovery.restore."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
+        else (0, 1)
+    sets, newest = _broadcast_plan(root, stop_step, world)
+    skipped: list = []
+    for fset in sets:
+        started = time.perf_counter()
+        loaded = _load_set(fset, rank, world)
+        if loaded is None:
+            skipped.append((os.path.basename(fset.files[0]), f"a share of the full checkpoint of step {fset.step} "
+                                                            f"does not verify"))
+            continue
+        load_s = time.perf_counter() - started
+        index = _full_index(loaded.index)
+        check_full(loaded.path, index, loaded.state)
+        own = rank < fset.count
+        state = loaded.state if own else dataclasses.replace(loaded.state, rng={}, extra={}, residuals={})
+        _note_world_change(fset, rank, world)
+        apply_full(index, state)
+        times = ReplayTimes()
+        step, last = _replay_chain(root, fset, index, rank, world, params=params_for(index),
+                                   optimizer=optimizer_for(index), stop_step=stop_step, workers=workers, times=times)
+        if stop_step is not None and step != stop_step:
+            raise NoCheckpointError(f"{root}: step {stop_step} cannot be rebuilt; the newest reachable is {step}")
+        if skipped:
+            warn(f"lowdiff: resumed from the older full checkpoint of step {fset.step}")
+        return Restored(root, step, fset.step, index, state, last, tuple(skipped), loaded.path, newest, load_s,
+                        times), own
+    if skipped:
+        raise NoCheckpointError(f"{root}: no complete full checkpoint verifies: " + "; ".join(w for _, w in skipped))
+    return None, True
