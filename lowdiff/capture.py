@@ -94,3 +94,19 @@ def restore_buffers(model: torch.nn.Module, buffers: dict) -> None:
         if name in own:
             with torch.no_grad():
                 own[name].copy_(value)
+
+
+def trained_elsewhere(model: torch.nn.Module, optimizer) -> frozenset:
+    """Keys of ``model.state_dict()`` that are parameters being trained (``requires_grad``) but not
+    by ``optimizer``: another optimizer's, when several optimizers train one model, each wrapped
+    with all of it. A wrap neither saves nor restores them, so each directory holds its own
+    optimizer's parameters and resuming one never overwrites what another restored."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return frozenset(key for key, value in model.state_dict(keep_vars=True).items()
+                     if isinstance(value, torch.nn.Parameter) and value.requires_grad and id(value) not in mine)
+
+
+def owned_model_state(model: torch.nn.Module, foreign: frozenset) -> dict:
+    """``model.state_dict()`` without the ``foreign`` keys (see trained_elsewhere)."""
+    state = model.state_dict()
+    return {key: value for key, value in state.items() if key not in foreign} if foreign else state

@@ -47,14 +47,14 @@ class StepCapture:
         self.scheduler = scheduler
         self.extra_state = dict(extra_state or {})
         self.grad_scaler = grad_scaler
-        self.residuals: dict = {}               # error feedback, by slot (by bucket under DDP)
+        self.residuals: dict = {}               # error feedback, by slot (also under DDP)
         self.outside_changes = 0                # steps that found a parameter changed outside step()
         self._index_parameters()
         self._buffer_names = capture.persistent_buffer_names(self.model)
         self._recorder = self.compressor
         if is_ddp(model):
             # The comm hook compresses and exchanges the gradients; step() records what it returned.
-            hook = CompressedAllReduce(self.compressor, self.residuals)
+            hook = CompressedAllReduce(self.compressor, self.residuals, params=self.params)
             model.register_comm_hook(hook, CompressedAllReduce.hook)
             self._recorder = AggregatedRecorder(sparse=self.compressor.name == "topk")
         self._base_boundary: dict | None = None  # see capture_base_boundary
@@ -69,6 +69,7 @@ class StepCapture:
         live_state = self.model.state_dict(keep_vars=True)
         # Keys of the model's state that are optimizer parameters (tied weights appear under several).
         self.param_aliases = {k: slot_of[id(v)] for k, v in live_state.items() if id(v) in slot_of}
+        self.foreign_keys = capture.trained_elsewhere(self.model, self.optimizer)
 
     # ------------------------------------------------------------ before the optimizer step
     def unscale_for_amp(self, found_inf, grad_scale) -> bool:
@@ -154,7 +155,7 @@ class StepCapture:
         which the next forward pass changes in place while the parameters and optimizer state
         are copied in the background. The tensors of ``state`` are the live ones, not copies."""
         state = {
-            "model": {**self.model.state_dict(), **boundary["buffers"]},
+            "model": {**capture.owned_model_state(self.model, self.foreign_keys), **boundary["buffers"]},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": boundary.get("scheduler"),
             "extra": boundary["extra"],
@@ -169,7 +170,7 @@ class StepCapture:
 
     def state_nbytes(self) -> int:
         """About the payload of a full checkpoint: model and optimizer tensors, page-rounded."""
-        tensors = list(self.model.state_dict().values())
+        tensors = list(capture.owned_model_state(self.model, self.foreign_keys).values())
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         tensors += list(self.residuals.values())
         return sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors) + (1 << 20)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lowdiff.capture import owned_model_state, trained_elsewhere
 from lowdiff.errors import IncompatibleCheckpointError
 from lowdiff.format import FullIndex, FullState
 
@@ -47,7 +48,8 @@ def check_compatible(path: str, index: FullIndex, state: FullState, model: torch
     if saved_names != live_names:
         differ = [f"#{i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(saved_names, live_names)) if a != b]
         refuse(f"its optimizer parameters are not the model's (checkpoint vs given): {_shown(differ)}")
-    _check_model(refuse, state.model, model.state_dict())
+    foreign = trained_elsewhere(model, optimizer)
+    _check_model(refuse, {k: v for k, v in state.model.items() if k not in foreign}, owned_model_state(model, foreign))
     if compressor is not None and index.compressor:
         saved_kind = index.compressor.split("(")[0]
         live_kind = type(compressor).__name__
