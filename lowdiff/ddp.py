@@ -32,10 +32,34 @@ def distributed_rank() -> tuple[int, int]:
 class CompressedAllReduce:
     """DDP comm hook state and callable: ``model.register_comm_hook(state, state.hook)``."""
 
-    def __init__(self, compressor, residuals: dict, process_group=None):
+    def __init__(self, compressor, residuals: dict, process_group=None, params: list | None = None):
         self.compressor = compressor
-        self.residuals = residuals      # per-rank error-feedback residuals, keyed by bucket index
+        # Per-rank error-feedback residuals, keyed by the parameter's position in the optimizer
+        # (``params``), never by bucket: DDP rebuilds its buckets after the first iteration, and a
+        # checkpoint must be resumable with other buckets (another world size, another version).
+        self.residuals = residuals
         self.process_group = process_group
+        self.slot_of = {id(p): slot for slot, p in enumerate(params or [])}
+
+    def compress(self, bucket: dist.GradBucket) -> Compressed:
+        """Compress the bucket's flat gradient, with the residuals of its parameters."""
+        flat = bucket.buffer()
+        if not self.compressor.error_feedback:
+            return self.compressor.compress(flat, 0, {})
+        params = bucket.parameters()
+        slots = [self.slot_of[id(p)] for p in params]
+        sizes = [p.numel() for p in params]
+        if sum(sizes) != flat.numel():
+            raise RuntimeError(f"DDP bucket of {flat.numel()} elements holds parameters of {sum(sizes)}")
+        held = [self.residuals.pop(slot, None) for slot in slots]
+        scratch = {}
+        if any(r is not None for r in held):
+            scratch[0] = torch.cat([r.reshape(-1) if r is not None else flat.new_zeros(n) for r, n in zip(held, sizes)])
+        part = self.compressor.compress(flat, 0, scratch)
+        if 0 in scratch:
+            for slot, piece in zip(slots, scratch[0].split(sizes)):
+                self.residuals[slot] = piece
+        return part
 
     @staticmethod
     def hook(state: "CompressedAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -43,10 +67,11 @@ class CompressedAllReduce:
         group = state.process_group
         world = dist.get_world_size(group)
         flat = bucket.buffer()
-        part = state.compressor.compress(flat, -1 - bucket.index(), state.residuals)
+        part = state.compress(bucket)
         if part.kind == "dense":
             work = dist.all_reduce(flat, group=group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0].div_(world))
+        assert part.indices is not None and part.values is not None  # a sparse part has both
         sent = part.indices.to(torch.int32).contiguous()  # half the bytes of int64 on the wire
         indices = [torch.empty_like(sent) for _ in range(world)]
         values = [torch.empty_like(part.values) for _ in range(world)]

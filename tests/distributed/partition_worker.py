@@ -1,0 +1,135 @@
+"""One rank of a small DDP run (gloo, CPU) writing a partitioned directory. Used by
+test_partitioned.py.
+
+Each line of --digests: "STEP FULL SHARED" — FULL hashes everything this rank holds (model with
+buffers, optimizer, scheduler, sampler, RNG), SHARED only what is the same on every rank (parameters
+and optimizer state). The first line is "resumed STEP FULL SHARED".
+"""
+import argparse
+import hashlib
+import os
+import random
+import signal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import lowdiff
+import recovery
+from lowdiff.demo import ShuffledSampler, state_digest
+
+
+class Net(torch.nn.Module):
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                        torch.nn.Dropout(0.2), torch.nn.Linear(64, 64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 4)
+        self.unused = torch.nn.Linear(64, 4) if unused else None   # never in the graph
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def shared_digest(model, optimizer) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode() + p.detach().numpy().tobytes())
+    state = optimizer.state_dict()
+    for index in sorted(state["state"]):
+        for key, value in sorted(state["state"][index].items()):
+            h.update(f"{index}/{key}".encode() + (value.numpy().tobytes() if isinstance(value, torch.Tensor)
+                                                  else repr(value).encode()))
+    h.update(repr(state["param_groups"]).encode())
+    return h.hexdigest()
+
+
+def build(args):
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = Net(unused=args.unused)
+    flags = {"find_unused_parameters": args.unused, "gradient_as_bucket_view": args.bucket_view,
+             "static_graph": args.static_graph}
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **flags) if args.world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    sampler = ShuffledSampler(size=64, seed=args.rank)
+    torch.manual_seed(100 + args.rank)  # each rank draws its own dropout masks
+    random.seed(args.rank)
+    np.random.seed(args.rank)
+    return model, ddp, opt, sched, sampler
+
+
+def compressor(name):
+    if name == "dense":
+        return lowdiff.Dense()
+    return lowdiff.TopK(ratio=0.1, min_numel=64, error_feedback=name == "topk-ef")
+
+
+def train(args, model, ddp, opt, sched, sampler, start, out):
+    data = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
+    target = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(8))
+    for step in range(start, args.steps):
+        for micro in range(args.accum):
+            idx = sampler.next_batch(8)
+            last = micro == args.accum - 1
+            context = ddp.no_sync() if not last and hasattr(ddp, "no_sync") else _nothing()
+            with context:
+                loss = torch.nn.functional.cross_entropy(ddp(data[idx]), target[idx]) / args.accum
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if args.flush:
+            opt.flush()
+        out.write(f"{step + 1} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
+        out.flush()
+        if args.crash_at == step + 1 and args.rank in args.crash_ranks:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("rank", "world", "port", "steps"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--digests", required=True)
+    p.add_argument("--compressor", default="topk", choices=["topk", "topk-ef", "dense"])
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--full-every", type=int, default=6)
+    p.add_argument("--batch-steps", type=int, default=3)
+    p.add_argument("--crash-at", type=int)
+    p.add_argument("--crash-ranks", type=lambda s: {int(r) for r in s.split(",")}, default=set())
+    p.add_argument("--unused", action="store_true")
+    p.add_argument("--bucket-view", action="store_true")
+    p.add_argument("--static-graph", action="store_true")
+    p.add_argument("--flush", action="store_true", help="flush after every step")
+    p.add_argument("--resume-only", action="store_true", help="resume, write the digest line, stop")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                                world_size=args.world)
+    model, ddp, opt, sched, sampler = build(args)
+    opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), full_every=args.full_every,
+                       batch_steps=args.batch_steps, scheduler=sched, extra_state={"sampler": sampler})
+    start = recovery.resume(args.dir, ddp, opt)
+    with open(args.digests, "a") as out:
+        out.write(f"resumed {start} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
+        out.flush()
+        if not args.resume_only:
+            train(args, model, ddp, opt, sched, sampler, start, out)
+    opt.close()
+    if args.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

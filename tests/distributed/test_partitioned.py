@@ -1,0 +1,193 @@
+"""Partitioned directories on real gloo processes (partition_worker.py): each rank writes a share;
+a rank SIGKILLed mid-run (the others taken down, as torchrun does) or mid-write of its share of a
+full checkpoint; resume with 1, 2 and 3 ranks lands every rank on the state of an uninterrupted run,
+byte for byte; a damaged or missing share makes resume fall back and say so."""
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import lowdiff
+import recovery
+from lowdiff.partition import rank_directories
+
+sys.path.insert(0, os.path.dirname(__file__))
+import partition_worker  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "partition_worker.py")
+STEPS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180):
+    """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does).
+    Returns [(exit code, stderr)] by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        if fault is not None and rank == fault_rank:
+            env["LOWDIFF_FAULT"] = fault
+        args = [sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
+                "--steps", str(STEPS), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode == -9 for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    return [(p.returncode, p.communicate()[1]) for p in procs]
+
+
+def digests(path):
+    """(resumed step, {step: (full digest, shared digest)})."""
+    resumed, out = None, {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] == "resumed":
+                resumed = int(parts[1])
+                out[resumed] = (parts[2], parts[3])
+            else:
+                out[int(parts[0])] = (parts[1], parts[2])
+    return resumed, out
+
+
+def ok(results):
+    for code, err in results:
+        assert code == 0, err
+    return "".join(err for _, err in results)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank TopK run: its digests per rank and its directory."""
+    base = tmp_path_factory.mktemp("reference")
+    ok(launch(base / "ckpt", base / "ref", 2))
+    return [digests(base / f"ref-{rank}.txt")[1] for rank in range(2)], base / "ckpt"
+
+
+def test_one_rank_killed_then_resumed_with_1_2_and_3_ranks(tmp_path, reference):
+    ref, _ = reference
+    crashed = launch(tmp_path / "ckpt", tmp_path / "run", 2, "--crash-at", "10", "--crash-ranks", "1")
+    assert crashed[1][0] == -9
+    assert sorted(rank_directories(tmp_path / "ckpt")) == [0, 1]
+    ok(launch(tmp_path / "ckpt", tmp_path / "resumed", 2))
+    start = digests(tmp_path / "resumed-0.txt")[0]
+    assert 0 < start <= 10
+    for rank in range(2):
+        got_start, got = digests(tmp_path / f"resumed-{rank}.txt")
+        assert got_start == start, "ranks resumed at different steps"
+        assert got[start] == ref[rank][start], f"rank {rank}: state at step {start} differs"
+        assert got[STEPS] == ref[rank][STEPS], f"rank {rank}: final state differs"
+    assert ref[0][STEPS][0] != ref[1][STEPS][0]   # per-rank state differs: equal digests are a real check
+    # The same directory with one and with three ranks: same parameters and optimizer state.
+    ok(launch(tmp_path / "ckpt", tmp_path / "w1", 1, "--resume-only"))
+    err = ok(launch(tmp_path / "ckpt", tmp_path / "w3", 3, "--resume-only"))
+    assert "rank 2 did not exist" in err
+    assert digests(tmp_path / "w1-0.txt")[1][STEPS] == ref[0][STEPS]       # rank 0's own state, all of it
+    for rank in range(3):
+        step, got = digests(tmp_path / f"w3-{rank}.txt")
+        assert step == STEPS
+        assert got[STEPS][1] == ref[0][STEPS][1]
+        if rank < 2:
+            assert got[STEPS] == ref[rank][STEPS]                          # its own RNG, sampler, buffers
+
+
+def test_rank_killed_while_writing_its_share_of_a_full_checkpoint(tmp_path, reference):
+    ref, _ = reference
+    # Rank 1 dies in the write of its third full-checkpoint share (steps 0, 6, then 12).
+    results = launch(tmp_path / "ckpt", tmp_path / "run", 2, fault_rank=1, fault="full-write:3")
+    assert results[1][0] == -9
+    err = ok(launch(tmp_path / "ckpt", tmp_path / "resumed", 2))
+    start = digests(tmp_path / "resumed-0.txt")[0]
+    assert 6 <= start <= 12
+    for rank in range(2):
+        got_start, got = digests(tmp_path / f"resumed-{rank}.txt")
+        assert got_start == start
+        assert got[start] == ref[rank][start] and got[STEPS] == ref[rank][STEPS]
+    if start == 12:   # rank 0's share of step 12 was committed alone: not used
+        pytest.fail("resumed at the incomplete set's step")
+    assert "incomplete" in err or start < 12
+
+
+@pytest.mark.parametrize("flags", [
+    ("--compressor", "dense", "--accum", "2", "--unused", "--bucket-view"),
+    ("--compressor", "topk-ef", "--static-graph", "--flush", "--full-every", "4", "--batch-steps", "2"),
+], ids=["dense-no_sync-unused-bucket_view", "topk_error_feedback-static_graph"])
+def test_ddp_options_resume_exactly(tmp_path, flags):
+    ok(launch(tmp_path / "ref", tmp_path / "ref", 2, *flags))
+    crash_at = 12   # with --flush and full_every 4, step 12 is a durable full checkpoint (residuals exact)
+    crashed = launch(tmp_path / "ckpt", tmp_path / "run", 2, *flags, "--crash-at", str(crash_at),
+                     "--crash-ranks", "0")
+    assert crashed[0][0] == -9
+    ok(launch(tmp_path / "ckpt", tmp_path / "resumed", 2, *flags))
+    for rank in range(2):
+        _, ref = digests(tmp_path / f"ref-{rank}.txt")
+        start, got = digests(tmp_path / f"resumed-{rank}.txt")
+        if "--flush" in flags:
+            assert start == crash_at
+        assert 0 < start <= crash_at
+        assert got[start] == ref[start], f"rank {rank}: state at step {start} differs"
+        assert got[STEPS] == ref[STEPS], f"rank {rank}: final state differs"
+
+
+def _resume_in_process(directory):
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start = recovery.resume(directory, model, opt)
+    return start, partition_worker.shared_digest(model, opt)
+
+
+def test_damaged_or_missing_share_falls_back(tmp_path, reference, caplog):
+    ref, directory = reference
+    newest = sorted(f for f in os.listdir(directory / "rank-00001") if f.startswith("full-"))[-1]
+    path = directory / "rank-00001" / newest
+    copy = tmp_path / "ckpt"
+    subprocess.run(["cp", "-a", str(directory), str(copy)], check=True)
+    damaged = copy / "rank-00001" / newest
+    data = bytearray(damaged.read_bytes())
+    data[4096 + 100] ^= 0xFF                      # a byte of the share's payload
+    damaged.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        start, shared = _resume_in_process(copy)
+    assert "fail their checksum" in caplog.text and "falling back" in caplog.text
+    assert start.full_step < int(newest[5:17]) and shared == ref[0][int(start)][1]
+    damaged.unlink()                              # a missing share: the set is incomplete
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        start, shared = _resume_in_process(copy)
+    assert "incomplete" in caplog.text or "does not verify" in caplog.text
+    assert start.full_step < int(newest[5:17]) and shared == ref[0][int(start)][1]
+    assert path.exists()
+
+
+def test_partitioned_directory_stays_partitioned_with_one_process(tmp_path, reference):
+    _, directory = reference
+    copy = tmp_path / "ckpt"
+    subprocess.run(["cp", "-a", str(directory), str(copy)], check=True)
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, copy,
+                       compressor=lowdiff.TopK(ratio=0.1, min_numel=64), full_every=6, batch_steps=3)
+    start = recovery.resume(copy, model, opt)
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    opt.close()
+    assert not (copy / "MANIFEST.json").exists()          # shares "0 of 1" in rank-00000/
+    again, _ = _resume_in_process(copy)
+    assert int(again) == int(start) + 1
+
