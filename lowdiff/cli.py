@@ -10,10 +10,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from . import shareinspect
 from .errors import CheckpointError
 from .fullckpt import read_full_index
 from .inventory import take_inventory
 from .manifest import plan_chain
+from .partition import is_partitioned
 from .store import lock_holder
 
 
@@ -47,6 +49,9 @@ def _note_live_trainer(directory: str) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     directory = _checkpoint_directory(args.directory)
+    if is_partitioned(directory):
+        print("\n".join(shareinspect.describe(directory)))
+        return 0
     inventory = take_inventory(directory, skip_other_versions=True)
     for note in inventory.notes:
         _warn(note)
@@ -83,10 +88,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     what the manifest says it is, and say which steps are recoverable. Exit 1 if anything does not
     verify, the newest listed step cannot be reached, or there is nothing to verify."""
     from recovery import verify
+    from recovery.shareverify import verify_partitioned
 
     directory = _checkpoint_directory(args.directory)
     _note_live_trainer(directory)
-    report = verify(directory)
+    report = verify_partitioned(directory) if is_partitioned(directory) else verify(directory)
     for name in report.ok_files:
         print(f"ok       {name}" + ("  (adopted: not listed in the manifest)" if name in report.adopted else ""))
     for name in report.gone:

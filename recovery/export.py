@@ -7,7 +7,9 @@ import os
 import torch
 
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+from lowdiff.partition import is_partitioned
 
+from .distributed import restore_partitioned
 from .restore import checkpoint_directory, restore
 
 
@@ -41,9 +43,18 @@ def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *,
         optimizer.load_state_dict(state.optimizer)
         holder.update(params=params, optimizer=optimizer)
 
-    restored = restore(directory, check_full=check_full, apply_full=apply_full,
-                       params_for=lambda index: holder["params"], optimizer_for=lambda index: holder["optimizer"],
-                       stop_step=step)
+    def params_for(index):
+        return holder["params"]
+
+    def optimizer_for(index):
+        return holder["optimizer"]
+    restored = None
+    if is_partitioned(directory):   # one process reads every share; rank 0's per-rank state is exported
+        restored, _ = restore_partitioned(directory, check_full=check_full, apply_full=apply_full,
+                                          params_for=params_for, optimizer_for=optimizer_for, stop_step=step)
+    if restored is None:
+        restored = restore(directory, check_full=check_full, apply_full=apply_full, params_for=params_for,
+                           optimizer_for=optimizer_for, stop_step=step)
     if restored is None:
         raise NoCheckpointError(f"{directory} holds no checkpoint")
     index, boundary = restored.full_index, restored.boundary

@@ -191,3 +191,27 @@ def test_partitioned_directory_stays_partitioned_with_one_process(tmp_path, refe
     again, _ = _resume_in_process(copy)
     assert int(again) == int(start) + 1
 
+
+
+def test_cli_understands_partitioned_directories(tmp_path, reference, capsys):
+    from lowdiff.cli import main
+
+    ref, directory = reference
+    assert main(["inspect", str(directory)]) == 0
+    assert "share 1 of 2" in capsys.readouterr().out
+    assert main(["verify", str(directory)]) == 0
+    assert f"recoverable steps 12..{STEPS}" in capsys.readouterr().out
+    assert main(["export", str(directory), "-o", str(tmp_path / "out.pt")]) == 0
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    model.load_state_dict(exported["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(exported["optimizer"])
+    assert exported["step"] == STEPS and partition_worker.shared_digest(model, opt) == ref[0][STEPS][1]
+    copy = tmp_path / "ckpt"
+    subprocess.run(["cp", "-a", str(directory), str(copy)], check=True)
+    damaged = sorted((copy / "rank-00001").glob("diff-*"))[-1]
+    damaged.write_bytes(damaged.read_bytes()[:-40] + bytes(40))
+    assert main(["verify", str(copy)]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
