@@ -47,10 +47,23 @@ class VerifyReport:
         return not self.problems and self.newest_recoverable >= self.newest_listed
 
 
+_ATTEMPTS = 8   # fresh looks at a directory whose live trainer retired files while they were checked
+
+
 def verify(directory, *, workers: int | None = None) -> VerifyReport:
-    """Check every checksum, entry and chain of ``directory`` with ``workers`` threads."""
+    """Check every checksum, entry and chain of ``directory`` with ``workers`` threads. Beside a
+    live trainer whose retention removed listed files meanwhile, look again (the newest committed
+    state is what matters); the last look is reported as it is, with those files as ``gone``."""
     directory = os.fspath(directory)
     check_workers(workers)
+    for _ in range(_ATTEMPTS):
+        report = _verify_once(directory, workers)
+        if not report.gone:
+            break
+    return report
+
+
+def _verify_once(directory: str, workers: int | None) -> VerifyReport:
     inventory = take_inventory(directory, skip_other_versions=True)
     manifest = inventory.manifest
     empty = not manifest.files() and not inventory.ignored and inventory.committed is None

@@ -199,7 +199,8 @@ def test_loading_into_the_wrong_objects_is_refused_before_anything_changes(tmp_p
         match = r"extra_state \['other'\]"
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng_before = torch.get_rng_state()
-    opt = lowdiff.wrap(opt, model, ckpt, compressor=compressor, full_every=6, batch_steps=3, extra_state=extra)
+    opt = lowdiff.wrap(opt, model, ckpt, compressor=compressor, full_every=6, batch_steps=3, extra_state=extra,
+                       scheduler=sched if sched.optimizer is opt else None)
     try:
         with pytest.raises(lowdiff.IncompatibleCheckpointError, match=match) as info:
             recovery.resume(ckpt, model, opt)
