@@ -42,6 +42,8 @@ class WrapConfig:
     max_recovery_s: float | None = None
     batch_memory_bytes: int = 256 * 2**20
     boundary: str = "step"    # "step": the end of opt.step(); "manual": opt.boundary()
+    replica: bool = False     # replica mode (LowDiff+, lowdiff.replica)
+    replica_inflight_steps: int = 2   # replica mode: captured steps not yet applied before step() waits
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):
@@ -61,6 +63,11 @@ class WrapConfig:
                              f"(opt.boundary())")
         if not self.batch_memory_bytes > 0:
             raise ValueError(f"batch_memory_bytes={self.batch_memory_bytes!r} must be > 0")
+        if self.replica_inflight_steps < 1:
+            raise ValueError(f"replica_inflight_steps={self.replica_inflight_steps!r} must be >= 1")
+        if self.replica and self.full_every == "auto":
+            raise ValueError("full_every='auto' is not supported with replica=True: give how many steps apart "
+                             "the replica is persisted (1: as often as the disk allows)")
 
 
 def check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state) -> None:

@@ -78,14 +78,16 @@ def batch(sampler: ShuffledSampler, size: int = 32):
     return DATA[0][idx] + noise, DATA[1][idx]
 
 
-def forward_backward(model, sampler) -> torch.Tensor:
+def forward_backward(model, sampler, clip: bool = True) -> torch.Tensor:
     """One training iteration up to the optimizer step: the next batch, forward in train mode
-    (BatchNorm statistics, Dropout), backward, gradient clipping. Returns the loss."""
+    (BatchNorm statistics, Dropout), backward, gradient clipping (unless ``clip`` is off). Returns
+    the loss."""
     x, y = batch(sampler)
     model.train()
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     return loss
 
 
@@ -125,15 +127,16 @@ def compressor_from(name: str, ratio: float):
 
 
 def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="topk", ratio=0.05,
-          full_every=10, batch_steps=4, digests=None, log=print) -> dict:
+          full_every=10, batch_steps=4, digests=None, log=print, replica=False, clip=True) -> dict:
     """Train to ``steps`` completed steps (resuming from ``directory`` when it holds a checkpoint;
-    ``directory=None`` trains without lowdiff). Returns {"start", "digests": {step: digest}}."""
+    ``directory=None`` trains without lowdiff). Returns {"start", "digests": {step: digest}}.
+    ``replica``: lowdiff's replica mode (dense gradients); ``clip``: clip gradients after backward."""
     model, opt, sched, sampler = build(optimizer)
     start = 0
     if directory is not None:
         opt = lowdiff.wrap(opt, model, directory, compressor=compressor_from(compressor, ratio),
                            full_every=full_every, batch_steps=batch_steps, scheduler=sched,
-                           extra_state={"sampler": sampler})
+                           extra_state={"sampler": sampler}, replica=replica)
         start = recovery.resume(directory, model, opt)
     out: dict[str, Any] = {"start": start, "digests": {}}
     if start:
@@ -141,7 +144,7 @@ def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="t
         log(f"resumed at step {start} {out['digests'][start]}")
     comp = compressor_from(compressor, ratio) if directory is None else None
     for step in range(start, steps):
-        loss = forward_backward(model, sampler)
+        loss = forward_backward(model, sampler, clip=clip)
         if comp is not None:  # the reference run applies the same compression, without lowdiff
             _compress_in_place(opt, comp)
         opt.step()
@@ -181,13 +184,16 @@ def main(argv=None) -> int:
     parser.add_argument("--full-every", type=int, default=10)
     parser.add_argument("--batch-steps", type=int, default=4)
     parser.add_argument("--digests", help="append 'step digest' lines to this file")
+    parser.add_argument("--replica", action="store_true", help="replica mode (LowDiff+; needs --compressor dense)")
+    parser.add_argument("--no-clip", action="store_true", help="no gradient clipping after backward")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     digests = open(args.digests, "a") if args.digests else None
     try:
         train(args.directory if args.mode == "train" else None, args.steps, optimizer=args.optimizer,
               compressor=args.compressor, ratio=args.ratio, full_every=args.full_every,
-              batch_steps=args.batch_steps, digests=digests, log=lambda m: print(m, flush=True))
+              batch_steps=args.batch_steps, digests=digests, log=lambda m: print(m, flush=True),
+              replica=args.replica, clip=not args.no_clip)
     finally:
         if digests:
             digests.close()

@@ -29,6 +29,7 @@ from .ddp import distributed_rank
 from .errors import CheckpointError
 from .lifecycle import Busy, install_exit_hooks, live
 from .partition import partition_for
+from .replica import Replica, check_replica_arguments
 from .session import CheckpointSession
 from .stepcapture import StepCapture
 from .store import CheckpointStore
@@ -81,7 +82,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                  grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2,
                  overwrite: bool = False, failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
                  batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
-                 engine: Engine | None = None) -> None:
+                 replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None) -> None:
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
@@ -93,18 +94,25 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self.config = WrapConfig(full_every=full_every, batch_steps=batch_steps, keep_full=keep_full,
                                  max_pending_batches=max_pending_batches, overwrite=overwrite,
                                  failure_rate_per_hour=failure_rate_per_hour, max_recovery_s=max_recovery_s,
-                                 batch_memory_bytes=batch_memory_bytes, boundary=boundary)
+                                 batch_memory_bytes=batch_memory_bytes, boundary=boundary, replica=replica,
+                                 replica_inflight_steps=replica_inflight_steps)
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
+        if replica:
+            check_replica_arguments(self._capture.compressor, model, self.world_size)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.partition).
         partition = partition_for(directory, self.rank, self.world_size, self._capture.params)
         self._session = CheckpointSession(directory, self.config, engine, partition=partition)
+        # Replica mode (LowDiff+): a background replica is persisted instead of differentials.
+        self._replica = Replica(self._capture, self._session.store, self.config, replica_inflight_steps,
+                                engine) if replica else None
         self.step_count = 0
         self._capture.capture_base_boundary()
         self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})
         self._pending: tuple | None = None      # a step whose boundary is not recorded yet (manual)
+        self._scaler_warned = False
         self._busy = 0                          # see lifecycle.Busy
         live.add(self)
         install_exit_hooks()
@@ -154,6 +162,11 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """compress -> inner step -> scheduler step -> record (see the module docstring)."""
+        if self.grad_scaler is None and not self._scaler_warned:
+            scaler = loopchecks.calling_grad_scaler()
+            if scaler is not None:
+                self._scaler_warned = True
+                loopchecks.warn_unknown_scaler(scaler)
         with Busy(self):
             return self._step(closure)
 
@@ -163,11 +176,16 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise CheckpointError("step() on a closed lowdiff optimizer")
         # A failed background write ends checkpointing: refuse before anything changes, every time.
         session.check_writers()
+        replica = self._replica
+        if replica is not None:
+            replica.check()
         if not session.base_taken:
             session.check_can_start(self.step_count)
             session.take_full(self.step_count, *capture.base_checkpoint(), base=True)
+            if replica is not None:
+                replica.start(self.step_count)
         else:
-            capture.check_untouched(self.step_count, session.force_full)
+            capture.check_untouched(self.step_count, session.force_full if replica is None else replica.force_resync)
         if self._pending is not None:
             raise CheckpointError('wrap(boundary="manual"): call opt.boundary() after each opt.step() '
                                   '(once the loop\'s work after the step is done) before the next opt.step()')
@@ -182,7 +200,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         session.fulls.release()
         capture_started = time.perf_counter()
         groups_used = capture.hyperparameters()
-        grads = None if skipped else capture.compress_gradients()
+        if skipped:
+            grads = None
+        else:
+            grads = capture.compress_gradients() if replica is None else replica.gradients()
         started = time.perf_counter()
         if not skipped:
             self.optimizer.step()
@@ -194,6 +215,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 self.scheduler.step()
         except BaseException:
             session.step_failed(False)
+            if replica is not None:
+                replica.step_failed(False)
             capture.mark_state()
             raise
         self._pending = (skipped, grads, groups_used, capture_started, optimizer_s)
@@ -228,13 +251,18 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         recorded = False
         try:
             record = capture.record(self.step_count, skipped, grads, groups_used)
-            session.diffs.put(record)
+            if self._replica is not None:
+                self._replica.submit(record)   # applied, then persisted as a full checkpoint, in the background
+            else:
+                session.diffs.put(record)
             recorded = True
             self._schedulers.step_finished()
             # What recording cost this step: all but the optimizer step (the controller's record_s).
             session.controller.step_recorded(time.perf_counter() - capture_started - optimizer_s)
             faults.point("record")
-            if session.full_checkpoint_due(self.step_count):
+            if self._replica is not None:
+                pass   # the replica worker takes the full checkpoints
+            elif session.full_checkpoint_due(self.step_count):
                 session.take_full(self.step_count, *capture.full_checkpoint(record.objects), base=False)
             else:
                 # Optimizer state exists now (Adam creates it lazily): size staging for it off-thread.
@@ -243,6 +271,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # The state moved past what the records hold: end the batch before the gap, and take
             # a full checkpoint at the end of the next step so that resuming is exact from there.
             session.step_failed(recorded)
+            if self._replica is not None:
+                self._replica.step_failed(recorded)
             raise
 
     # ------------------------------------------------------------ resume support
@@ -273,7 +303,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         force and the controller's decisions (JSON-serialisable; ``python -m lowdiff tune`` reads it)."""
         # Busy: a SIGTERM flushing while this holds the controller's lock would deadlock.
         with Busy(self):
-            return self._session.stats(self.step_count, self.outside_changes)
+            stats = self._session.stats(self.step_count, self.outside_changes)
+            if self._replica is not None:
+                stats["replica"] = self._replica.stats()
+            return stats
 
     @property
     def durable_step(self) -> int:
@@ -289,6 +322,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         with Busy(self):
             if self._pending is not None:     # manual boundary: the iteration ends here
                 self._record_boundary()
+            if self._replica is not None:
+                self._replica.flush()
             self._session.flush()
 
     def close(self) -> None:
@@ -302,7 +337,11 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             with Busy(self):
                 if self._pending is not None:     # manual boundary: the iteration ends here
                     self._record_boundary()
-                self._session.close_writers()
+                try:
+                    if self._replica is not None:
+                        self._replica.close()
+                finally:
+                    self._session.close_writers()
         finally:
             self._session.close_store()
             live.discard(self)
@@ -323,15 +362,19 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
          grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2, overwrite: bool = False,
          failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
          batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
-         engine: Engine | None = None) -> LowDiffOptimizer:
+         replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None) -> LowDiffOptimizer:
     """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer.
     ``full_every``/``batch_steps="auto"``: chosen by the controller (docs/controller.md) from costs
     measured while training and ``failure_rate_per_hour``, within ``max_recovery_s`` (load + replay
     at resume) and ``batch_memory_bytes`` (records not yet durable). ``boundary="manual"``: the
-    iteration boundary is ``opt.boundary()``, called by the loop after its work between steps."""
+    iteration boundary is ``opt.boundary()``, called by the loop after its work between steps.
+    ``replica=True`` (with ``compressor=lowdiff.Dense()``): LowDiff+ replica mode (lowdiff.replica),
+    the replica persisted every ``full_every`` steps (or as soon as the previous write ended), at
+    most ``replica_inflight_steps`` captured steps waiting to be applied."""
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
                             keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
                             overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour,
                             max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes,
-                            boundary=boundary, engine=engine)
+                            boundary=boundary, replica=replica, replica_inflight_steps=replica_inflight_steps,
+                            engine=engine)

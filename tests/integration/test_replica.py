@@ -1,0 +1,220 @@
+"""Replica mode (LowDiff+): layer-wise gradient capture, a background replica applied step by step,
+persisted as ordinary full checkpoints, resumed through recovery.resume — exactly."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import lowdiff
+import recovery
+from lowdiff import replica as replica_module
+from lowdiff.demo import batch, state_digest
+from lowdiff_helpers import build
+
+HANG_GUARD_S = 60   # only against hangs; nothing is timed
+
+
+def wrap_replica(directory, model, opt, sched, sampler, **options):
+    options = {"full_every": 3, "keep_full": 3, **options}
+    return lowdiff.wrap(opt, model, directory, compressor=lowdiff.Dense(), scheduler=sched,
+                        extra_state={"sampler": sampler}, replica=True, **options)
+
+
+def iteration(model, sampler, micro_batches=1, clip=False):
+    """Forward/backward of ``micro_batches`` accumulated micro-batches (optionally clipped)."""
+    model.train()
+    for _ in range(micro_batches):
+        x, y = batch(sampler, size=16)
+        loss = torch.nn.functional.cross_entropy(model(x), y) / micro_batches
+        loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def train(opt, model, sampler, steps, digests=None, sched=None, **kwargs):
+    for _ in range(steps):
+        iteration(model, sampler, **kwargs)
+        opt.step()
+        opt.zero_grad()
+        if digests is not None:
+            digests[len(digests) + 1] = state_digest(model, opt, sched, sampler)
+
+
+def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), what
+
+
+def assert_replica_is_training(opt) -> None:
+    replica = opt._replica
+    for (name, a), b in zip(opt.model.state_dict().items(), replica.model.state_dict().values()):
+        if name in dict(opt.model.named_parameters()):
+            assert_bytes_equal(a, b, name)
+    train_state, replica_state = opt.optimizer.state_dict(), replica.optimizer.state_dict()
+    assert train_state["param_groups"] == replica_state["param_groups"]
+    assert sorted(train_state["state"]) == sorted(replica_state["state"])
+    for index, entries in train_state["state"].items():
+        for key, value in entries.items():
+            assert_bytes_equal(value, replica_state["state"][index][key], f"optimizer state {index}/{key}")
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["hooks", "clipped"])
+def test_replica_is_training_state_byte_for_byte(tmp_path, clip):
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler)
+    train(opt, model, sampler, 12, clip=clip)
+    opt.flush()
+    assert_replica_is_training(opt)
+    stats = opt.stats()["replica"]
+    assert stats["applied_step"] == stats["persisted_step"] == 12 and stats["lag_steps"] == 0
+    n_params = len(list(model.parameters()))
+    if clip:   # clipping changed every gradient after backward: step() re-copied them all
+        assert stats["step_copies"] == 12 * n_params and stats["hook_copies"] == 0
+    else:      # the hooks staged every gradient during backward; step() copied nothing
+        assert stats["hook_copies"] == 12 * n_params and stats["step_copies"] == 0
+    opt.close()
+
+
+def test_gradient_accumulation_records_the_final_gradient(tmp_path):
+    """Three micro-batches per step: the hooks fire three times per parameter, the last copy is
+    the step's gradient. Training without lowdiff on the same data gives the same bytes."""
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler)
+    train(opt, model, sampler, 8, micro_batches=3)
+    opt.flush()
+    assert_replica_is_training(opt)
+    assert opt.stats()["replica"]["step_copies"] == 0
+    opt.close()
+
+    plain_model, plain_opt, plain_sched, plain_sampler = build()
+    for _ in range(8):
+        iteration(plain_model, plain_sampler, micro_batches=3)
+        plain_opt.step()
+        plain_sched.step()
+        plain_opt.zero_grad()
+    for (name, a), b in zip(model.state_dict().items(), plain_model.state_dict().values()):
+        assert_bytes_equal(a, b, name)
+
+
+def test_resume_from_replica_checkpoint_is_exact(tmp_path):
+    """Every persisted replica carries the boundary objects of its own step: resuming at it gives
+    the state training had after that step (model, optimizer, scheduler, sampler, RNG), and
+    training on from there gives the uninterrupted run's states."""
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(directory, model, opt, sched, sampler, full_every=4, keep_full=6)
+    digests: dict = {}
+    train(opt, model, sampler, 14, digests=digests, sched=sched)
+    opt.flush()
+    assert opt.durable_step == 14
+    train(opt, model, sampler, 6, digests=digests, sched=sched)
+    opt.close()
+
+    for step in (14, 20):
+        model2, opt2, sched2, sampler2 = build()
+        opt2 = wrap_replica(directory, model2, opt2, sched2, sampler2, full_every=4, keep_full=6)
+        resumed = recovery.resume(directory, model2, opt2, step=step)
+        assert resumed == step and resumed.replayed == 0, "a replica checkpoint at the step, no differential"
+        assert state_digest(model2, opt2, sched2, sampler2) == digests[step]
+        if step == 14:
+            continued: dict = dict.fromkeys(range(1, 15))
+            train(opt2, model2, sampler2, 6, digests=continued, sched=sched2)
+            assert [continued[s] for s in range(15, 21)] == [digests[s] for s in range(15, 21)]
+        opt2.close()
+
+
+def test_backpressure_bounds_steps_in_flight(tmp_path, monkeypatch):
+    """A worker that cannot apply makes training wait once ``replica_inflight_steps`` captured
+    steps are unapplied; the replica catches up exactly when it can."""
+    gate = threading.Event()
+    real_apply = replica_module.apply_record
+
+    def gated_apply(*args, **kwargs):
+        gate.wait(HANG_GUARD_S)
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(replica_module, "apply_record", gated_apply)
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler, replica_inflight_steps=3)
+    done_steps = []
+
+    def run():
+        for step in range(8):
+            iteration(model, sampler)
+            opt.step()
+            opt.zero_grad()
+            done_steps.append(step + 1)
+
+    trainer = threading.Thread(target=run)
+    trainer.start()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not opt._replica.staging.waiting and trainer.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert opt._replica.staging.waiting, "training never waited for the gated replica"
+    # Blocked inside step 3 (after its optimizer step, handing its gradients over): three
+    # captured steps unapplied, no gradient set left.
+    assert opt._replica.staging.in_flight() == 3 and len(done_steps) == 2
+    gate.set()
+    trainer.join(HANG_GUARD_S)
+    assert not trainer.is_alive()
+    opt.flush()
+    stats = opt.stats()["replica"]
+    assert stats["max_inflight_steps"] <= 3 and stats["training_waits"] >= 1
+    assert_replica_is_training(opt)
+    opt.close()
+
+
+def test_worker_error_surfaces_at_next_step(tmp_path, monkeypatch):
+    real_apply = replica_module.apply_record
+
+    def failing_apply(record, *args, **kwargs):
+        if record.step == 3:
+            raise RuntimeError("replica apply failed")
+        return real_apply(record, *args, **kwargs)
+
+    monkeypatch.setattr(replica_module, "apply_record", failing_apply)
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler)
+    train(opt, model, sampler, 3)   # the worker fails on step 3, after step() returned
+    with pytest.raises(RuntimeError, match="replica apply failed"):
+        opt.flush()
+    iteration(model, sampler)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):   # every later step() refuses, before the optimizer changes anything
+        with pytest.raises(RuntimeError, match="replica apply failed"):
+            opt.step()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="replica apply failed"):
+        opt.close()
+    assert opt.durable_step < 3
+
+
+def test_replica_needs_dense_and_fixed_full_every(tmp_path):
+    model, opt, sched, _ = build()
+    with pytest.raises(ValueError, match="Dense"):
+        lowdiff.wrap(opt, model, tmp_path / "a", compressor=lowdiff.TopK(0.1), scheduler=sched, replica=True)
+    with pytest.raises(ValueError, match="full_every"):
+        lowdiff.wrap(opt, model, tmp_path / "b", compressor=lowdiff.Dense(), scheduler=sched, full_every="auto",
+                     replica=True)
+
+
+def test_outside_change_resyncs_the_replica(tmp_path):
+    """A parameter changed outside step() is no step the replica sees: it adopts the training
+    state at the end of that step and persists it, so it stays exact."""
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler)
+    train(opt, model, sampler, 3)
+    with torch.no_grad():
+        next(model.parameters()).mul_(0.5)
+    with pytest.warns(RuntimeWarning, match="outside step"):
+        train(opt, model, sampler, 1)
+    train(opt, model, sampler, 3)
+    opt.flush()
+    assert opt.stats()["replica"]["resyncs"] == 1
+    assert_replica_is_training(opt)
+    opt.close()
+
