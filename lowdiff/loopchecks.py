@@ -18,6 +18,8 @@ schedule would lag by a step).
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 import warnings
 
 import torch
@@ -95,3 +97,24 @@ class SchedulerWatch:
                        "wrap(scheduler=...) and do not step it yourself, or wrap with boundary=\"manual\" "
                        "and call opt.boundary() after stepping it")
             warnings.warn(f"lowdiff: {name} ({type(obj).__name__}): {why}", RuntimeWarning, stacklevel=4)
+
+
+def calling_grad_scaler(depth: int = 4):
+    """The GradScaler whose ``step(optimizer)`` is calling ``opt.step()`` right now, if any (found
+    as ``self`` of a caller frame). A GradScaler lowdiff was not given skips steps without
+    lowdiff seeing them and changes its scale unrecorded."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, torch.amp.GradScaler):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def warn_unknown_scaler(scaler) -> None:
+    warnings.warn(f"lowdiff: a {type(scaler).__name__} steps this optimizer but was not given to "
+                  f"wrap(grad_scaler=...): the steps it skips (inf/nan gradients) are not recorded and its scale "
+                  f"is not saved, so a resumed run would diverge. Pass it to wrap()", RuntimeWarning, stacklevel=4)

@@ -160,3 +160,30 @@ def test_a_sparse_gradient_changes_nothing_before_it_is_refused(tmp_path):
         wrapped.step()
     assert torch.equal(model[1].weight.grad, dense) and wrapped.step_count == 1
     wrapped.close()
+
+
+def test_a_grad_scaler_not_given_to_wrap_is_named_once(tmp_path):
+    model, opt = model_and_opt()
+    scaler = torch.amp.GradScaler("cpu")
+    wrapped = lowdiff.wrap(opt, model, tmp_path / "ckpt")
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(3):
+            scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+            scaler.step(wrapped)
+            scaler.update()
+            wrapped.zero_grad()
+    wrapped.close()
+    assert [str(w.message) for w in caught if "GradScaler" in str(w.message)] == [
+        str(caught[0].message)] and "grad_scaler=" in str(caught[0].message)
+    assert caught[0].filename == __file__          # points at the scaler.step(...) line
+
+
+def test_a_grad_scaler_given_to_wrap_is_not_warned_about(tmp_path):
+    model, opt = model_and_opt()
+    scaler = torch.amp.GradScaler("cpu")
+    with lowdiff.wrap(opt, model, tmp_path / "ckpt", grad_scaler=scaler) as wrapped:
+        for _ in range(2):
+            scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+            scaler.step(wrapped)
+            scaler.update()
+            wrapped.zero_grad()

@@ -355,7 +355,7 @@ def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
         "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
         "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
-        "NoCheckpointError", "TopK", "VersionMismatchError", "wrap"]
+        "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "wrap"]
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
