@@ -44,11 +44,12 @@ class _Flush:
 
 
 def build_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list):
-    """(model, optimizer, params) of a replica: a deep copy of ``model`` and an optimizer of the same
+    """(model, optimizer, params) of a replica: a CPU deep copy of ``model`` and an optimizer of the same
     class over its parameters, with a deep copy of ``optimizer``'s state and param groups (a
     state_dict round trip; not a deep copy of the optimizer, which could keep methods an LR
     scheduler bound to the original). ``params`` are the original's in param_groups order."""
-    replica_model = copy.deepcopy(model)
+    # The replica lives on the CPU whatever device training uses (host memory is what it saves).
+    replica_model = copy.deepcopy(model).to("cpu")
     names = {id(p): n for n, p in model.named_parameters()}
     replica_named = dict(replica_model.named_parameters())
     replica_params = [replica_named[names[id(p)]] for p in params]
