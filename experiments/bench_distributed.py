@@ -21,6 +21,7 @@ import argparse
 import csv
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -82,7 +83,9 @@ def _write_rank(rank, world, port, directory, state_bytes, layout, out):
 def run_world(fn, world, *args):
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    port = 29000 + (os.getpid() + int(time.time() * 1000)) % 20000
+    with socket.socket() as probe:   # a free port (another job may hold any fixed one)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     procs = [ctx.Process(target=fn, args=(rank, world, port, *args, out)) for rank in range(world)]
     for p in procs:
         p.start()
