@@ -10,7 +10,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from . import shareinspect
+from . import shareinspect, tierinspect
 from .errors import CheckpointError
 from .fullckpt import read_full_index
 from .inventory import take_inventory
@@ -52,6 +52,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if is_partitioned(directory):
         print("\n".join(shareinspect.describe(directory)))
         return 0
+    _inspect_directory(directory)
+    shared = args.shared or tierinspect.shared_dir_of(directory, _warn)
+    if shared is not None:   # storage tiers: the shared tier too, then which one resume would take
+        print(f"\nshared tier ({tierinspect.describe_policies(directory)})")
+        if os.path.isdir(shared):
+            _inspect_directory(shared)
+        else:
+            print(f"directory      {shared} (missing)")
+        print(tierinspect.resume_choice(directory, shared))
+    return 0
+
+
+def _inspect_directory(directory: str) -> None:
     inventory = take_inventory(directory, skip_other_versions=True)
     for note in inventory.notes:
         _warn(note)
@@ -80,7 +93,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  steps {batch.first:>8}-{batch.last:<8} {_human(batch.nbytes):>10}  {batch.file}")
     for name, why, _ in inventory.ignored:
         print(f"  not used: {name}: {why}")
-    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -202,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("inspect", help="list steps, full checkpoints, chains and sizes")
     p.add_argument("directory")
+    p.add_argument("--shared", help="the shared tier (default: the one the directory's TIERS.json names)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="read every file and check every checksum")
     p.add_argument("directory")

@@ -44,6 +44,7 @@ class WrapConfig:
     boundary: str = "step"    # "step": the end of opt.step(); "manual": opt.boundary()
     replica: bool = False     # replica mode (LowDiff+, lowdiff.replica)
     replica_inflight_steps: int = 2   # replica mode: captured steps not yet applied before step() waits
+    tiers: Any = None         # lowdiff.tiers.Tiers: stage to a shared directory (None: one directory)
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):

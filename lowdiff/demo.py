@@ -127,17 +127,20 @@ def compressor_from(name: str, ratio: float):
 
 
 def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="topk", ratio=0.05,
-          full_every=10, batch_steps=4, digests=None, log=print, replica=False, clip=True) -> dict:
+          full_every=10, batch_steps=4, digests=None, log=print, replica=False, clip=True, tiers=None) -> dict:
     """Train to ``steps`` completed steps (resuming from ``directory`` when it holds a checkpoint;
     ``directory=None`` trains without lowdiff). Returns {"start", "digests": {step: digest}}.
-    ``replica``: lowdiff's replica mode (dense gradients); ``clip``: clip gradients after backward."""
+    ``replica``: lowdiff's replica mode (dense gradients); ``clip``: clip gradients after backward;
+    ``tiers``: lowdiff.tiers.Tiers (stage to a shared directory)."""
     model, opt, sched, sampler = build(optimizer)
     start = 0
     if directory is not None:
         opt = lowdiff.wrap(opt, model, directory, compressor=compressor_from(compressor, ratio),
                            full_every=full_every, batch_steps=batch_steps, scheduler=sched,
-                           extra_state={"sampler": sampler}, replica=replica)
+                           extra_state={"sampler": sampler}, replica=replica, tiers=tiers)
         start = recovery.resume(directory, model, opt)
+        if tiers is not None:
+            log(f"tier {start.tier or 'local'}")
     out: dict[str, Any] = {"start": start, "digests": {}}
     if start:
         out["digests"][start] = state_digest(model, opt, sched, sampler)
@@ -172,6 +175,29 @@ def _compress_in_place(opt, comp) -> None:
                 decompress_into(record, p.grad)
 
 
+def policy_from(text: str):
+    """A retention policy from ``last:N``, ``every:K:N`` or ``all``."""
+    from lowdiff.tiers import KeepAll, KeepEvery, KeepLast
+
+    kind, *numbers = text.split(":")
+    if kind == "all" and not numbers:
+        return KeepAll()
+    if kind == "last" and len(numbers) == 1:
+        return KeepLast(int(numbers[0]))
+    if kind == "every" and len(numbers) == 2:
+        return KeepEvery(int(numbers[0]), last=int(numbers[1]))
+    raise ValueError(f"retention policy {text!r} is not last:N, every:K:N or all")
+
+
+def _tiers_from(args):
+    from lowdiff.tiers import Tiers
+
+    if not args.shared_dir:
+        return None
+    return Tiers(args.shared_dir, local=policy_from(args.local_policy) if args.local_policy else None,
+                 shared=policy_from(args.shared_policy))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowdiff.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,6 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--digests", help="append 'step digest' lines to this file")
     parser.add_argument("--replica", action="store_true", help="replica mode (LowDiff+; needs --compressor dense)")
     parser.add_argument("--no-clip", action="store_true", help="no gradient clipping after backward")
+    parser.add_argument("--shared-dir", help="storage tiers: the shared directory DIR is staged to")
+    parser.add_argument("--shared-policy", default="last:2", help="shared tier retention: last:N, every:K:N or all")
+    parser.add_argument("--local-policy", help="local tier retention (default: last:2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     digests = open(args.digests, "a") if args.digests else None
@@ -193,7 +222,7 @@ def main(argv=None) -> int:
         train(args.directory if args.mode == "train" else None, args.steps, optimizer=args.optimizer,
               compressor=args.compressor, ratio=args.ratio, full_every=args.full_every,
               batch_steps=args.batch_steps, digests=digests, log=lambda m: print(m, flush=True),
-              replica=args.replica, clip=not args.no_clip)
+              replica=args.replica, clip=not args.no_clip, tiers=_tiers_from(args))
     finally:
         if digests:
             digests.close()

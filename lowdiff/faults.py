@@ -13,6 +13,12 @@ reaches ``point(PHASE)`` (N counts from 1). Phases, in the order a checkpoint go
 ``manifest-commit`` the new manifest replaced the old one; files it dropped are not yet deleted
 ``retention``       between two deletions of files the committed manifest dropped
 
+With storage tiers (lowdiff.tiers), the drainer copying committed files to the shared tier:
+
+``drain-write``     a file's copy is written and synced under its temporary name in the shared tier
+``drain-commit``    the copy is committed under its name; the shared manifest does not list it yet
+``clean``           between two deletions of files the shared tier's committed manifest dropped
+
 Without the variable ``point`` is a dictionary lookup; nothing else changes.
 """
 from __future__ import annotations
@@ -23,14 +29,18 @@ import threading
 
 PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", "manifest-write",
           "manifest-commit", "retention")
+# Reached only with a shared tier (lowdiff.drainer): kept apart so that a single-directory run's
+# list of phases (which tests crash at, one by one) stays as it is.
+TIER_PHASES = ("drain-write", "drain-commit", "clean")
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
     if not spec:
         return None
     phase, _, count = spec.partition(":")
-    if phase not in PHASES or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"LOWDIFF_FAULT={spec!r}: expected PHASE:N with PHASE one of {', '.join(PHASES)} and N >= 1")
+    if phase not in PHASES + TIER_PHASES or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"LOWDIFF_FAULT={spec!r}: expected PHASE:N with PHASE one of "
+                         f"{', '.join(PHASES + TIER_PHASES)} and N >= 1")
     return phase, int(count)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .background import DiffWriter, FullWriter
 from .controller import Controller
+from .drainer import open_tiers
 from .errors import CheckpointError
 from .store import CheckpointStore
 
@@ -31,7 +32,12 @@ class CheckpointSession:
         directory of ``directory`` instead of whole checkpoints into ``directory``."""
         self.config = config
         self.controller = Controller(config)
-        if partition is None:
+        self.drainer = None          # storage tiers: copies committed files to the shared tier
+        if config.tiers is not None:
+            if partition is not None:
+                raise ValueError("storage tiers (shared_dir=...) are not supported under torch.distributed yet")
+            self.store, self.drainer = open_tiers(directory, config.tiers, config.keep_full, engine)
+        elif partition is None:
             self.store = CheckpointStore(directory, config.keep_full)
         else:
             self.store = CheckpointStore(partition.directory, config.keep_full, complete=partition.complete)
@@ -110,6 +116,13 @@ class CheckpointSession:
         """Re-raise a background write error (sticky: until this optimizer is closed)."""
         self.diffs.check()
         self.fulls.check()
+        if self.drainer is not None:
+            self.drainer.check()
+
+    def wait_for_shared(self) -> None:
+        """Before a step: block while the shared tier is too far behind (lowdiff.drainer)."""
+        if self.drainer is not None:
+            self.drainer.throttle()
 
     def durable_step(self) -> int:
         """The newest step that is on disk and can be resumed (-1 before the first commit)."""
@@ -133,15 +146,24 @@ class CheckpointSession:
         finally:
             self.fulls.close()
         self.check_writers()
+        if self.drainer is not None:
+            self.drainer.close()   # everything committed locally reaches the shared tier
 
     def close_store(self) -> None:
         """Release the directory (its lock). Ends the session."""
         self.closed = True
-        self.store.close()
+        try:
+            if self.drainer is not None:
+                self.drainer.stop()
+        finally:
+            self.store.close()
 
     def stats(self, step: int, outside_changes: int) -> dict:
         """See LowDiffOptimizer.stats."""
-        return {"step": step, "full_every": self.controller.full_every,
-                "batch_steps": self.controller.batch_steps, "background_copy": self.fulls.background_copy,
-                "outside_changes": outside_changes,
-                **self.controller.stats()}
+        out = {"step": step, "full_every": self.controller.full_every,
+               "batch_steps": self.controller.batch_steps, "background_copy": self.fulls.background_copy,
+               "outside_changes": outside_changes,
+               **self.controller.stats()}
+        if self.drainer is not None:
+            out["tiers"] = self.drainer.snapshot()
+        return out

@@ -26,6 +26,9 @@ LOCK_NAME = "LOCK"
 
 
 class CheckpointStore:
+    # The fault point between two deletions of retired files (lowdiff.faults).
+    clean_point = "retention"
+
     def __init__(self, directory: str, keep_full: int = 2, complete=None):
         """``complete(fulls) -> {(step, session)}``: in a partitioned directory, which of this
         directory's full checkpoints belong to a complete set; retention then counts only those."""
@@ -149,7 +152,7 @@ class CheckpointStore:
         self.manifest = manifest
         for entry in retired:
             _unlink(os.path.join(self.directory, entry.file))
-            faults.point("retention")
+            faults.point(self.clean_point)
 
 
 def _unlink(path: str) -> None:

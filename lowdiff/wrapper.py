@@ -33,6 +33,7 @@ from .replica import Replica, check_replica_arguments
 from .session import CheckpointSession
 from .stepcapture import StepCapture
 from .store import CheckpointStore
+from .tiers import Tiers, tiers_from
 
 
 def _kept_by(part: str, name: str, doc: str) -> Any:
@@ -82,7 +83,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                  grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2,
                  overwrite: bool = False, failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
                  batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
-                 replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None) -> None:
+                 replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None,
+                 shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None) -> None:
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
@@ -95,7 +97,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                                  max_pending_batches=max_pending_batches, overwrite=overwrite,
                                  failure_rate_per_hour=failure_rate_per_hour, max_recovery_s=max_recovery_s,
                                  batch_memory_bytes=batch_memory_bytes, boundary=boundary, replica=replica,
-                                 replica_inflight_steps=replica_inflight_steps)
+                                 replica_inflight_steps=replica_inflight_steps, tiers=tiers_from(shared_dir, tiers))
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
@@ -176,6 +178,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise CheckpointError("step() on a closed lowdiff optimizer")
         # A failed background write ends checkpointing: refuse before anything changes, every time.
         session.check_writers()
+        session.wait_for_shared()
         replica = self._replica
         if replica is not None:
             replica.check()
@@ -362,7 +365,8 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
          grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2, overwrite: bool = False,
          failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
          batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
-         replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None) -> LowDiffOptimizer:
+         replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None,
+         shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None) -> LowDiffOptimizer:
     """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer.
     ``full_every``/``batch_steps="auto"``: chosen by the controller (docs/controller.md) from costs
     measured while training and ``failure_rate_per_hour``, within ``max_recovery_s`` (load + replay
@@ -370,11 +374,14 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
     iteration boundary is ``opt.boundary()``, called by the loop after its work between steps.
     ``replica=True`` (with ``compressor=lowdiff.Dense()``): LowDiff+ replica mode (lowdiff.replica),
     the replica persisted every ``full_every`` steps (or as soon as the previous write ended), at
-    most ``replica_inflight_steps`` captured steps waiting to be applied."""
+    most ``replica_inflight_steps`` captured steps waiting to be applied. ``shared_dir`` (or
+    ``tiers=lowdiff.tiers.Tiers(...)`` with retention policies and a lag bound): storage tiers —
+    ``directory`` is the fast local tier, and every committed file is copied to the shared one in
+    the background (lowdiff.drainer; ``close()`` waits until it is all there)."""
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
                             keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
                             overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour,
                             max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes,
                             boundary=boundary, replica=replica, replica_inflight_steps=replica_inflight_steps,
-                            engine=engine)
+                            engine=engine, shared_dir=shared_dir, tiers=tiers)

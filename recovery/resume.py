@@ -17,6 +17,7 @@ from .compat import check_compatible
 from .distributed import restore_partitioned
 from .replay import check_workers
 from .restore import Restored, checkpoint_directory, restore, warn
+from .tiers import restore_from_tiers, shared_tier
 
 
 def restore_grad_scaler(scaler, stored) -> None:
@@ -61,7 +62,8 @@ class Resumed(int):
     checkpoints it could not use; ``abandoned`` newer steps of the directory it did not go to (they
     are dropped when a wrapped optimizer commits its first full checkpoint); ``load_s``,
     ``read_s``, ``decode_s``, ``apply_s`` where the time went (seconds; read and decode overlap
-    the apply).
+    the apply); with storage tiers, ``tier`` ("local" or "shared") and ``directory`` say where the
+    state came from ("" without tiers).
     """
 
     full_step: int
@@ -73,6 +75,8 @@ class Resumed(int):
     read_s: float
     decode_s: float
     apply_s: float
+    tier: str
+    directory: str
 
     def __new__(cls, step: int, restored: Restored | None = None) -> Resumed:
         self = super().__new__(cls, step)
@@ -86,6 +90,7 @@ class Resumed(int):
         self.load_s = restored.load_s if restored else 0.0
         self.read_s, self.decode_s, self.apply_s = ((times.read_s, times.decode_s, times.apply_s) if times
                                                     else (0.0, 0.0, 0.0))
+        self.tier, self.directory = "", restored.directory if restored else ""
         return self
 
     def __str__(self) -> str:
@@ -100,7 +105,8 @@ class Resumed(int):
 
 def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
            step: int | None = None, workers: int | None = None, scheduler: Scheduler | None = None,
-           extra_state: dict[str, Stateful] | None = None, grad_scaler: torch.amp.GradScaler | None = None) -> Resumed:
+           extra_state: dict[str, Stateful] | None = None, grad_scaler: torch.amp.GradScaler | None = None,
+           shared_dir: str | os.PathLike[str] | None = None) -> Resumed:
     """Restore ``model``, ``optimizer``, RNG states, scheduler and extra_state to the newest durable
     step under ``directory`` — or, with ``step=K``, to the state after any retained step K ("time
     travel") — and return that step (0 for a missing or empty directory) as a ``Resumed``.
@@ -117,13 +123,26 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     Error-feedback residuals of a TopK compressor are per-rank and cannot be rebuilt from the
     aggregated differentials: they are restored when the resumed step is a full checkpoint's
     step and reset to zero otherwise (with a warning).
+
+    Storage tiers: with ``shared_dir`` (or a wrapped optimizer with one, or a directory whose
+    ``TIERS.json`` names one) both tiers are looked at and the newest state that verifies is
+    restored, the local tier's when both reach the same step (recovery.tiers); ``Resumed.tier``
+    says which.
     """
     directory = checkpoint_directory(directory)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be a step number >= 0, or None for the newest")
     check_workers(workers)
     targets = _Targets.of(model, optimizer, scheduler, extra_state, grad_scaler)
-    restored, own = _restore_any_layout(directory, targets, step, workers)
+    shared = shared_tier(directory, targets.wrapper, shared_dir)
+    tier = ""
+    if shared is None:
+        restored, own = _restore_any_layout(directory, targets, step, workers)
+    else:
+        restored, tier = restore_from_tiers(
+            directory, shared, check_full=targets.check_full, stop_step=step, apply_full=targets.apply_full,
+            params_for=targets.params, optimizer_for=lambda index: targets.inner, workers=workers)
+        own = True
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:
@@ -137,6 +156,7 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
         residuals = {}
     result = Resumed(restored.step, restored)
+    result.tier = tier
     if wrapper is not None:
         if result.abandoned:
             warn(f"lowdiff: resuming {directory} at step {restored.step} abandons steps "

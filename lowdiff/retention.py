@@ -1,0 +1,110 @@
+"""Retention policies: which full checkpoints and differential batches of a tier a commit keeps.
+
+A policy only *chooses* entries; it never deletes. The store commits the manifest the policy
+returns and only then deletes what that manifest stopped listing (naming it ``retired``), so a
+crash at any point of a clean leaves every listed state loadable and the next start finishes the
+deletions (docs/format.md, "What may be deleted").
+
+Every policy keeps what the newest durable state needs: the newest full checkpoint, the batches
+that continue it, and anything newer (entries still being completed). ``pinned`` names files
+that must stay whatever the policy says (the local tier's files the drainer has not copied yet).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Set
+
+from .manifest import Manifest, chain_end, plan_chain
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLast:
+    """Keep the newest ``n`` full checkpoints and every batch whose last step is after the oldest
+    of them (so each kept full checkpoint still reaches the newest step)."""
+
+    n: int = 2
+
+    def __post_init__(self):
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"KeepLast(n={self.n!r}): n must be an int >= 1")
+
+    def retain(self, manifest: Manifest, pinned: Set[str] = frozenset()) -> Manifest:
+        return _keep(manifest, _last_files(manifest, self.n) | set(pinned))
+
+    def describe(self) -> str:
+        return f"keep-last {self.n}"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery:
+    """Keep the state after every ``k``-th step (steps k, 2k, 3k, ... that the tier holds) loadable
+    — the newest full checkpoint at or before it and the batches from there up to it — plus what
+    ``KeepLast(last)`` keeps. For evaluating the run at regular intervals."""
+
+    k: int
+    last: int = 2
+
+    def __post_init__(self):
+        for name in ("k", "last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KeepEvery({name}={value!r}): {name} must be an int >= 1")
+
+    def retain(self, manifest: Manifest, pinned: Set[str] = frozenset()) -> Manifest:
+        return _keep(manifest, _last_files(manifest, self.last) | _every_files(manifest, self.k) | set(pinned))
+
+    def describe(self) -> str:
+        return f"keep-every {self.k} steps, and the last {self.last}"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAll:
+    """Keep everything (no cleaning): storage grows with the run."""
+
+    def retain(self, manifest: Manifest, pinned: Set[str] = frozenset()) -> Manifest:
+        return manifest
+
+    def describe(self) -> str:
+        return "keep-all"
+
+
+Policy = KeepLast | KeepEvery | KeepAll
+
+
+def check_policy(name: str, policy) -> None:
+    if not isinstance(policy, (KeepLast, KeepEvery, KeepAll)):
+        raise TypeError(f"{name} must be lowdiff.tiers.KeepLast(n), KeepEvery(k, last=n) or KeepAll(), "
+                        f"got {policy!r}")
+
+
+def _keep(manifest: Manifest, files: set) -> Manifest:
+    return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f.file in files],
+                               batches=[b for b in manifest.batches if b.file in files])
+
+
+def _last_files(manifest: Manifest, n: int) -> set:
+    """The newest ``n`` full checkpoints, anything newer than the oldest of them, and the batches
+    after it (the same choice as CheckpointStore's ``keep_full``)."""
+    fulls = sorted(manifest.fulls, key=lambda f: f.step)
+    if not fulls:
+        return manifest.files()   # nothing to start from yet: nothing may go
+    oldest = fulls[-n:][0].step
+    return {f.file for f in fulls if f.step >= oldest} | {b.file for b in manifest.batches if b.last > oldest}
+
+
+def _every_files(manifest: Manifest, k: int) -> set:
+    """For each multiple ``s`` of ``k`` some full checkpoint's chain reaches: the newest full
+    checkpoint at or before ``s`` that reaches it, and its batches up to the one holding ``s``."""
+    keep: set = set()
+    covered: set = set()
+    for full in sorted(manifest.fulls, key=lambda f: f.step, reverse=True):
+        chain = plan_chain(manifest, full.step)
+        end = chain_end(manifest, full.step, chain)
+        first_multiple = -(-max(full.step, k) // k) * k
+        targets = [s for s in range(first_multiple, end + 1, k) if s not in covered]
+        if not targets:
+            continue
+        covered.update(targets)
+        keep.add(full.file)
+        keep.update(b.file for b in chain if b.first <= max(targets))
+    return keep

@@ -1,0 +1,227 @@
+"""Storage tiers (lowdiff.tiers, lowdiff.drainer, recovery.tiers), in process: the shared tier gets
+every committed file and resumes exactly without the local one; retention policies keep exactly
+what they say and every kept state resumes exactly; storage is bounded with cleaning and grows
+without; the drainer never stalls training below the lag bound and applies backpressure above it.
+
+Digests are compared with an uninterrupted run without lowdiff (lowdiff.demo), one torch thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+import lowdiff
+import recovery
+from lowdiff import drainer as drainer_module
+from lowdiff.demo import build, compressor_from, forward_backward, state_digest, train
+from lowdiff.inventory import take_inventory
+from lowdiff.tiers import KeepAll, KeepEvery, KeepLast, Tiers
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train(None, STEPS, log=lambda m: None)["digests"]
+
+
+def wrapped(local, tiers, *, full_every=4, batch_steps=3):
+    model, opt, sched, sampler = build()
+    opt = lowdiff.wrap(opt, model, str(local), compressor=compressor_from("topk", 0.05), full_every=full_every,
+                       batch_steps=batch_steps, scheduler=sched, extra_state={"sampler": sampler}, tiers=tiers)
+    return model, opt, sched, sampler
+
+
+def run_to(local, tiers, steps, **settings):
+    """Train (resuming) to ``steps``; returns the Resumed of the start."""
+    model, opt, sched, sampler = wrapped(local, tiers, **settings)
+    try:
+        start = recovery.resume(str(local), model, opt)
+        for _ in range(start, steps):
+            forward_backward(model, sampler)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        opt.close()
+    return start
+
+
+def resume_digest(local, shared, step=None):
+    """Resume a plain optimizer (no wrapper) from the tiers; (Resumed, digest)."""
+    model, opt, sched, sampler = build()
+    torch.manual_seed(4242)  # the restored RNG must not depend on the RNG before resume
+    start = recovery.resume(str(local), model, opt, step=step, scheduler=sched, extra_state={"sampler": sampler},
+                            shared_dir=str(shared))
+    return start, state_digest(model, opt, sched, sampler)
+
+
+def listed(directory):
+    return take_inventory(str(directory)).manifest
+
+
+def checkpoint_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith(("full-", "diff-")))
+
+
+def test_local_tier_deleted_resumes_from_shared_exactly(tmp_path, reference):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    run_to(local, Tiers(str(shared)), 17)
+    assert listed(shared).durable_step() == 17            # close() drained everything
+    shutil.rmtree(local)
+    start, digest = resume_digest(local, shared)
+    assert (int(start), start.tier) == (17, "shared")
+    assert digest == reference[17]
+    # A replaced node trains on from the shared tier: the new local tier continues its run.
+    run_to(local, Tiers(str(shared)), 25)
+    assert listed(local).run == listed(shared).run
+    start, digest = resume_digest(local, shared)
+    assert (int(start), start.tier, digest) == (25, "local", reference[25])
+    shutil.rmtree(local)
+    assert resume_digest(local, shared)[1] == reference[25]
+
+
+def test_newest_tier_wins_and_local_is_preferred_when_equal(tmp_path, reference, caplog):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    run_to(local, Tiers(str(shared)), 12)
+    start, _ = resume_digest(local, shared)
+    assert (int(start), start.tier) == (12, "local")
+    # Damage every local full checkpoint: the shared tier reaches further, resume takes it and says so.
+    for name in checkpoint_files(local):
+        if name.startswith("full-"):
+            with open(local / name, "r+b") as f:
+                f.seek(4096 + 8)
+                byte = f.read(1)
+                f.seek(4096 + 8)
+                f.write(bytes([byte[0] ^ 1]))
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        start, digest = resume_digest(local, shared)
+    assert (int(start), start.tier, digest) == (12, "shared", reference[12])
+    assert any("shared tier" in r.getMessage() for r in caplog.records)
+
+
+def test_keep_every_keeps_exactly_the_policy_and_every_kept_state_resumes_exactly(tmp_path, reference):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    tiers = Tiers(str(shared), local=KeepLast(1), shared=KeepEvery(5, last=1))
+    run_to(local, tiers, 22, full_every=4, batch_steps=3)
+    manifest = listed(shared)
+    # fulls at 0, 4, ..., 20; multiples of 5 -> the newest full before: 5->4, 10->8, 15->12, 20->20; last: 20
+    assert sorted(f.step for f in manifest.fulls) == [4, 8, 12, 20]
+    assert checkpoint_files(shared) == sorted(manifest.files())   # cleaned: nothing unlisted left behind
+    empty = tmp_path / "no-local"
+    for step in (5, 10, 15, 20, 22):
+        start, digest = resume_digest(empty, shared, step=step)
+        assert (int(start), digest) == (step, reference[step]), step
+    with pytest.raises(lowdiff.NoCheckpointError):
+        resume_digest(empty, shared, step=3)          # not kept by the policy
+    # The local tier keeps its own policy: one full checkpoint and its chain.
+    assert sorted(f.step for f in listed(local).fulls) == [20]
+
+
+def storage_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in checkpoint_files(directory))
+
+
+@pytest.mark.parametrize("policy", [KeepLast(2), KeepAll()], ids=["cleaning", "keep-all"])
+def test_storage_bounded_with_cleaning_and_growing_without(tmp_path, policy):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    tiers = Tiers(str(shared), local=policy, shared=policy)
+    sizes = {}
+    for steps in (10, 20, 30):
+        run_to(local, tiers, steps, full_every=3, batch_steps=2)
+        sizes[steps] = (storage_bytes(local), storage_bytes(shared), len(listed(shared).fulls))
+    if isinstance(policy, KeepAll):
+        assert sizes[10][1] < sizes[20][1] < sizes[30][1]
+        # every full checkpoint: 0 3 6 9 | 10 13 16 19 | 20 23 26 29 (each session's base, then every 3)
+        assert sorted(f.step for f in listed(shared).fulls) == [0, 3, 6, 9, 10, 13, 16, 19, 20, 23, 26, 29]
+    else:
+        assert {n for *_, n in sizes.values()} == {2}
+        assert max(s[1] for s in sizes.values()) <= 1.2 * min(s[1] for s in sizes.values())
+        assert max(s[0] for s in sizes.values()) <= 1.2 * min(s[0] for s in sizes.values())
+
+
+def test_training_runs_free_below_the_lag_bound_then_backpressure(tmp_path, reference, monkeypatch, caplog):
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    gate = threading.Event()
+    copy = drainer_module.copy_file
+
+    def slow_copy(*args, **kwargs):
+        gate.wait()            # the shared tier does not move until the test says so
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(drainer_module, "copy_file", slow_copy)
+    model, opt, sched, sampler = wrapped(local, Tiers(str(shared), max_lag_steps=6), full_every=100, batch_steps=1)
+    done: list = []
+    errors: list = []
+
+    def loop():
+        try:
+            for step in range(STEPS):
+                forward_backward(model, sampler)
+                opt.step()
+                opt.zero_grad()
+                done.append(step + 1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    trainer = threading.Thread(target=loop)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lowdiff"):
+            trainer.start()
+            waited: list = []
+            for _ in range(600):  # until the trainer hits the bound (or finishes: then the test fails below)
+                waited = [r for r in caplog.records if "behind" in r.getMessage()]
+                if waited or not trainer.is_alive():
+                    break
+                trainer.join(0.1)
+            assert waited, f"training was never held back; it did {len(done)} steps with the shared tier stuck"
+            # Nothing reached the shared tier, yet training ran past the bound before it was held.
+            assert len(done) >= 6
+            trainer.join(0.5)
+            assert trainer.is_alive(), "training went on with the shared tier stuck beyond the bound"
+            assert len(done) < STEPS
+            gate.set()
+            trainer.join(120)
+    finally:
+        gate.set()   # a failure must not leave the drainer (and close() at exit) stuck
+        trainer.join(120)
+    assert not errors and done[-1] == STEPS
+    stats = opt.stats()["tiers"]
+    assert stats["backpressure_waits"] >= 1
+    opt.close()
+    assert len([r for r in caplog.records if "behind" in r.getMessage()]) == 1    # said once
+    assert listed(shared).durable_step() == STEPS
+    shutil.rmtree(local)
+    start, digest = resume_digest(local, shared)
+    assert (int(start), digest) == (STEPS, reference[STEPS])
+
+
+def test_inspect_shows_both_tiers(tmp_path, capsys):
+    from lowdiff import cli
+
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    run_to(local, Tiers(str(shared), shared=KeepEvery(5, last=1)), 9)
+    assert cli.main(["inspect", str(local)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("durable step   9") == 2
+    assert "shared tier (local: keep-last 2; shared: keep-every 5 steps, and the last 1" in out
+    assert "resume        from the local tier, step 9" in out
+
+
+def test_shared_tier_of_another_run_is_refused(tmp_path):
+    run_to(tmp_path / "a", None, 3)
+    run_to(tmp_path / "b", None, 3)
+    with pytest.raises(lowdiff.CheckpointError, match="another training run"):
+        wrapped(tmp_path / "a", Tiers(str(tmp_path / "b")))
