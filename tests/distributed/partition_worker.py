@@ -123,6 +123,7 @@ def main():
     start = recovery.resume(args.dir, ddp, opt)
     with open(args.digests, "a") as out:
         out.write(f"resumed {start} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
+        out.write(f"from-full {start.full_step}\n")
         out.flush()
         if not args.resume_only:
             train(args, model, ddp, opt, sched, sampler, start, out)

@@ -60,6 +60,8 @@ def digests(path):
             if parts[0] == "resumed":
                 resumed = int(parts[1])
                 out[resumed] = (parts[2], parts[3])
+            elif parts[0] == "from-full":
+                continue
             else:
                 out[int(parts[0])] = (parts[1], parts[2])
     return resumed, out
@@ -111,16 +113,18 @@ def test_rank_killed_while_writing_its_share_of_a_full_checkpoint(tmp_path, refe
     # Rank 1 dies in the write of its third full-checkpoint share (steps 0, 6, then 12).
     results = launch(tmp_path / "ckpt", tmp_path / "run", 2, fault_rank=1, fault="full-write:3")
     assert results[1][0] == -9
-    err = ok(launch(tmp_path / "ckpt", tmp_path / "resumed", 2))
+    ok(launch(tmp_path / "ckpt", tmp_path / "resumed", 2))
     start = digests(tmp_path / "resumed-0.txt")[0]
     assert 6 <= start <= 12
     for rank in range(2):
         got_start, got = digests(tmp_path / f"resumed-{rank}.txt")
         assert got_start == start
         assert got[start] == ref[rank][start] and got[STEPS] == ref[rank][STEPS]
-    if start == 12:   # rank 0's share of step 12 was committed alone: not used
-        pytest.fail("resumed at the incomplete set's step")
-    assert "incomplete" in err or start < 12
+    # Rank 0's share of step 12 may have been committed alone: that set is never used. Step 12
+    # itself may still be reached by replaying differentials from the set of step 6.
+    full_step = int(next(line.split()[1] for line in (tmp_path / "resumed-0.txt").read_text().splitlines()
+                         if line.startswith("from-full ")))
+    assert full_step <= 6, f"resumed from the incomplete set of step {full_step}"
 
 
 @pytest.mark.parametrize("flags", [
