@@ -55,10 +55,39 @@ def _terminate() -> None:
 
 def _on_sigterm(signum, frame):
     global _terminate_requested
+    if _terminate_requested:
+        _die("a second SIGTERM arrived")  # the conventional way to insist
     if any(o._busy for o in list(live)):
-        _terminate_requested = True  # finish when the current lowdiff call returns
+        _terminate_requested = True  # finish when the current lowdiff call returns ...
+        # ... but never wait forever: a call that does not return must not make the process
+        # immune to SIGTERM (the steps already durable stay durable).
+        timer = threading.Timer(_grace_s(), _insist)
+        timer.daemon = True
+        timer.start()
         return
     _terminate()
+
+
+def _grace_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get("LOWDIFF_TERM_GRACE_S", "60")))
+    except ValueError:
+        return 60.0
+
+
+def _insist() -> None:
+    """From the grace timer's thread: a second SIGTERM (its handler runs on the main thread, the
+    only one that may change signal handlers); SIGKILL if even that is not handled."""
+    log.error("lowdiff: SIGTERM: the lowdiff call in progress did not return within %.0f s", _grace_s())
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Event().wait(10)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die(why: str) -> None:
+    log.error("lowdiff: SIGTERM: %s; terminating without flushing (durable steps are kept)", why)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def install_exit_hooks() -> None:
