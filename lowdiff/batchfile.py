@@ -13,22 +13,25 @@ from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, record_length
 log = logging.getLogger("lowdiff")
 
 
-def write_batch(path: str, session: str, records: list, *, run: str | None = None, engine=None) -> int:
+def write_batch(path: str, session: str, records: list, *, run: str | None = None, engine=None,
+                kind: int = container.KIND_DIFF, index_fields: dict | None = None) -> int:
     """Write ``records`` ([(step, [buffers])], consecutive steps) to ``path`` and commit it
-    atomically (fastio.Writer). Returns the file's size in bytes."""
+    atomically (fastio.Writer). Returns the file's size in bytes. ``kind`` and ``index_fields``
+    (added to the index) are for files of this layout that are not plain batches (shares)."""
     entries = []
     with fastio.Writer(path, priority=fastio.URGENT, engine=engine) as writer:
-        writer.write(container.preamble_bytes(container.KIND_DIFF))
+        writer.write(container.preamble_bytes(kind))
         for step, buffers in records:
             offset = writer.size
             for buffer in buffers:
                 writer.write(buffer)
             entries.append([step, offset, writer.size - offset])
         faults.point("batch-write")
-        index = container.encode_index(
-            BatchIndex(records[0][0], records[-1][0], session, run, tuple(map(tuple, entries))).to_json())
+        body = BatchIndex(records[0][0], records[-1][0], session, run, tuple(map(tuple, entries))).to_json()
+        body.update(index_fields or {})
+        index = container.encode_index(body)
         index_offset = writer.write(index)
-        writer.write(container.trailer_bytes(index_offset, index, container.KIND_DIFF))
+        writer.write(container.trailer_bytes(index_offset, index, kind))
         return writer.size
 
 

@@ -172,24 +172,36 @@ class Snapshot:
                                     fastio.crc32c(payload[e.offset:e.offset + e.nbytes]),
                                     key=e.key, dtype=e.dtype, shape=e.shape)
                         for e in self.entries)
-        file_bytes = PAYLOAD_OFFSET + self.payload_bytes + len(objects) + 8192
-        with fastio.Writer(path, size_hint=file_bytes, engine=engine) as writer:
-            writer.write(container.preamble_bytes(container.KIND_FULL))
-            writer.pad_to(PAGE)
-            writer.write(payload)
-            faults.point("full-write")
-            objects_offset = writer.write(objects)
-            index = container.encode_index(FullIndex(
-                self.step, session, run, self.payload_bytes, tensors,
-                Section(objects_offset, len(objects), fastio.crc32c(objects)),
-                tuple(self.meta["param_names"]), self.meta["param_aliases"], self.meta["optimizer_class"],
-                self.meta["compressor"]).to_json())
-            index_offset = writer.write(index)
-            writer.write(container.trailer_bytes(index_offset, index, container.KIND_FULL))
-            if before_commit is not None and not before_commit():
-                writer.abort()
-                return None
-            return writer.size
+        meta = self.meta
+
+        def make_index(objects_section: Section) -> FullIndex:
+            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section,
+                             tuple(meta["param_names"]), meta["param_aliases"], meta["optimizer_class"],
+                             meta["compressor"])
+        return write_full_file(path, container.KIND_FULL, payload, objects, make_index, engine=engine,
+                               before_commit=before_commit)
+
+
+def write_full_file(path: str, kind: int, payload, objects: bytes, make_index, *, engine=None,
+                    before_commit=None) -> int | None:
+    """The layout of a full checkpoint (and of a share of one): preamble, ``payload`` from the
+    first page, the ``objects`` section, the index ``make_index(objects_section)`` returns, the
+    trailer; committed through fastio.Writer. ``before_commit()`` returning False discards the file
+    (nothing appears at ``path``): returns None. Otherwise the file's size."""
+    with fastio.Writer(path, size_hint=PAYLOAD_OFFSET + len(payload) + len(objects) + 8192, engine=engine) as writer:
+        writer.write(container.preamble_bytes(kind))
+        writer.pad_to(PAGE)
+        writer.write(payload)
+        faults.point("full-write")
+        objects_offset = writer.write(objects)
+        index = container.encode_index(make_index(Section(objects_offset, len(objects),
+                                                          fastio.crc32c(objects))).to_json())
+        index_offset = writer.write(index)
+        writer.write(container.trailer_bytes(index_offset, index, kind))
+        if before_commit is not None and not before_commit():
+            writer.abort()
+            return None
+        return writer.size
 
 
 _ZERO_COPY = ("/model/", "/optimizer/")   # subtrees whose large tensors are handed out as views

@@ -11,9 +11,11 @@ import dataclasses
 
 import fastio
 
-from . import container, faults
+from . import container
+from .batchfile import write_batch
 from .errors import CorruptCheckpointError
 from .format import PAGE, PAYLOAD_OFFSET, BatchIndex, Section, TensorEntry, _check_disjoint, _Fields, check_header
+from .fullckpt import write_full_file
 
 
 def share_range(shared_bytes: int, index: int, count: int) -> tuple[int, int]:
@@ -125,22 +127,10 @@ def _pieces(fields: _Fields, layout: tuple, start: int, end: int) -> tuple:
 
 def write_full_share(path: str, body, objects: bytes, make_index, *, engine=None, before_commit=None) -> int | None:
     """Write a full-checkpoint share: ``body`` (the share's bytes then the own region, page
-    multiples), ``objects``, and the index ``make_index(objects_section)`` returns; commit it
-    (fastio.Writer). ``before_commit()`` returning False discards it: returns None."""
-    with fastio.Writer(path, size_hint=PAYLOAD_OFFSET + len(body) + len(objects) + 8192, engine=engine) as writer:
-        writer.write(container.preamble_bytes(container.KIND_FULL_SHARE))
-        writer.pad_to(PAGE)
-        writer.write(body)
-        faults.point("full-write")
-        objects_offset = writer.write(objects)
-        index = container.encode_index(make_index(Section(objects_offset, len(objects),
-                                                          fastio.crc32c(objects))).to_json())
-        index_offset = writer.write(index)
-        writer.write(container.trailer_bytes(index_offset, index, container.KIND_FULL_SHARE))
-        if before_commit is not None and not before_commit():
-            writer.abort()
-            return None
-        return writer.size
+    multiples), ``objects``, and the index ``make_index(objects_section)`` returns; commit it.
+    ``before_commit()`` returning False discards it: returns None."""
+    return write_full_file(path, container.KIND_FULL_SHARE, body, objects, make_index, engine=engine,
+                           before_commit=before_commit)
 
 
 def read_full_share_index(path: str, reader) -> FullShareIndex:
@@ -202,21 +192,9 @@ def write_diff_share(path: str, session: str, records: list, *, run: str | None,
                      slots: list, engine=None) -> int:
     """Write ``records`` ([(step, [buffers])], consecutive steps, already restricted to ``slots``)
     as share ``share`` = (index, count) and commit it. Returns the file's size."""
-    entries = []
-    with fastio.Writer(path, priority=fastio.URGENT, engine=engine) as writer:
-        writer.write(container.preamble_bytes(container.KIND_DIFF_SHARE))
-        for step, buffers in records:
-            offset = writer.size
-            for buffer in buffers:
-                writer.write(buffer)
-            entries.append([step, offset, writer.size - offset])
-        faults.point("batch-write")
-        body = BatchIndex(records[0][0], records[-1][0], session, run, tuple(map(tuple, entries))).to_json()
-        body.update(kind="diff-share", share={"index": share[0], "count": share[1]}, slots=list(slots))
-        index = container.encode_index(body)
-        index_offset = writer.write(index)
-        writer.write(container.trailer_bytes(index_offset, index, container.KIND_DIFF_SHARE))
-        return writer.size
+    return write_batch(path, session, records, run=run, engine=engine, kind=container.KIND_DIFF_SHARE,
+                       index_fields={"kind": "diff-share", "share": {"index": share[0], "count": share[1]},
+                                     "slots": list(slots)})
 
 
 def parse_diff_share(path: str, data) -> DiffShareIndex:

@@ -9,7 +9,7 @@ import concurrent.futures
 import os
 
 import fastio
-from lowdiff.errors import CheckpointError, CorruptCheckpointError, VersionMismatchError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.manifest import FullEntry
 from lowdiff.partition import rank_directories, read_manifests
 from lowdiff.records import decode_record
@@ -17,7 +17,7 @@ from lowdiff.sharefile import parse_diff_share, read_full_share_index, read_own,
 
 from .distributed import plan_sets
 from .replay import default_workers
-from .verify import Problem, VerifyReport
+from .verify import Problem, VerifyReport, checked
 
 
 def _check_full_share(path: str) -> None:
@@ -44,17 +44,12 @@ def _check_diff_share(path: str, entry) -> int | None:
 
 def _check(path: str, entry):
     """(Problem or None, last good step or None)."""
-    try:
+    def check():
         if isinstance(entry, FullEntry):
             _check_full_share(path)
             return None, entry.step
         return None, _check_diff_share(path, entry)
-    except FileNotFoundError as exc:
-        return Problem(path, "MISSING", f"missing ({exc.strerror})"), None
-    except VersionMismatchError as exc:
-        return Problem(path, "VERSION", exc.problem), None
-    except (CorruptCheckpointError, OSError, EOFError) as exc:
-        return Problem(path, "CORRUPT", getattr(exc, "problem", None) or str(exc)), None
+    return checked(path, check)
 
 
 def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:

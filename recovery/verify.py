@@ -113,12 +113,21 @@ def _check(directory: str, entry, run):
     """(Problem or None, the last step this file carries the chain to: full step, or the last
     record of a batch that verifies in order; None when nothing of it is usable)."""
     path = os.path.join(directory, entry.file)
-    try:
+
+    def check():
         if isinstance(entry, FullEntry):
             index, _ = load_full(path)
             check_entry(path, entry, index, os.path.getsize(path), run)
             return None, entry.step
         return _check_batch(path, entry, run)
+    return checked(path, check)
+
+
+def checked(path: str, check):
+    """``check()`` — (Problem or None, last good step or None) — with the exceptions that mean a
+    file is missing, of another version or damaged turned into that file's Problem."""
+    try:
+        return check()
     except FileNotFoundError as exc:
         return Problem(path, "MISSING", f"missing ({exc.strerror})"), None
     except VersionMismatchError as exc:

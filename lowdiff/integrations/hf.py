@@ -35,6 +35,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import lowdiff
+from lowdiff.integrations import refuse_fixed_options
 
 RESUME_FOLDER = "lowdiff-resume"
 
@@ -44,10 +45,8 @@ class LowDiffCallback(TrainerCallback):
     with it. ``wrap_options`` go to ``lowdiff.wrap`` (``compressor``, ``full_every``, ...)."""
 
     def __init__(self, directory: str | os.PathLike[str], **wrap_options: Any) -> None:
-        for fixed in ("boundary", "scheduler"):
-            if fixed in wrap_options:
-                raise TypeError(f"LowDiffCallback sets {fixed}= itself (Trainer steps the scheduler; the "
-                                f"boundary is on_step_end): pass the scheduler to callback.wrap()")
+        refuse_fixed_options(wrap_options, ("boundary", "scheduler"), "Trainer steps the scheduler and the "
+                             "boundary is on_step_end; pass the scheduler to callback.wrap()")
         self.directory = os.fspath(directory)
         self.wrap_options = wrap_options
         self.optimizer: lowdiff.LowDiffOptimizer | None = None

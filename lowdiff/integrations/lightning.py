@@ -28,6 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 import lowdiff
+from lowdiff.integrations import refuse_fixed_options
 
 
 class LowDiffCallback(pl.Callback):
@@ -35,10 +36,8 @@ class LowDiffCallback(pl.Callback):
     the start of ``fit``. ``wrap_options`` go to ``lowdiff.wrap`` (``compressor``, ``full_every``...)."""
 
     def __init__(self, directory: str | os.PathLike[str], **wrap_options: Any) -> None:
-        for fixed in ("boundary", "scheduler", "extra_state"):
-            if fixed in wrap_options:
-                raise TypeError(f"LowDiffCallback sets {fixed}= itself (Lightning steps the schedulers; the "
-                                f"boundary is on_train_batch_end)")
+        refuse_fixed_options(wrap_options, ("boundary", "scheduler", "extra_state"),
+                             "Lightning steps the schedulers and the boundary is on_train_batch_end")
         self.directory = os.fspath(directory)
         self.wrap_options = wrap_options
         self.optimizer: lowdiff.LowDiffOptimizer | None = None

@@ -41,3 +41,33 @@ def train_steps(model, opt, sched, sampler, start, stop, on_step=None):
         opt.zero_grad()
         if on_step:
             on_step(step + 1)
+
+
+def reference_digests(steps: int) -> dict:
+    """{step: state digest} of the uninterrupted run without lowdiff (same compression), from
+    step 0 to ``steps``: what every resume of a ``wrap``/``train_steps`` run must reproduce."""
+    from lowdiff.demo import _compress_in_place, state_digest
+
+    model, opt, sched, sampler = build()
+    compressor = lowdiff.TopK(ratio=0.1, min_numel=256)
+    digests = {0: state_digest(model, opt, sched, sampler)}
+    for step in range(steps):
+        forward_backward(model, sampler)
+        _compress_in_place(opt, compressor)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        digests[step + 1] = state_digest(model, opt, sched, sampler)
+    return digests
+
+
+def train_directory(directory: str, steps: int) -> str:
+    """Train ``steps`` steps from scratch with per-step checkpoints into ``directory``."""
+    import recovery
+
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    recovery.resume(directory, model, opt)
+    train_steps(model, opt, sched, sampler, 0, steps)
+    opt.close()
+    return directory

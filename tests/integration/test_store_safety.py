@@ -20,9 +20,9 @@ import torch
 import lowdiff
 import recovery
 from lowdiff import cli
-from lowdiff.demo import _compress_in_place, forward_backward, state_digest
+from lowdiff.demo import state_digest
 from lowdiff.manifest import MANIFEST_NAME, read_manifest
-from lowdiff_helpers import build, train_steps, wrap
+from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,17 +55,7 @@ def resume_fresh(directory):
 @pytest.fixture(scope="module")
 def reference():
     """Digests of the uninterrupted run without lowdiff (same compression), step by step."""
-    model, opt, sched, sampler = build()
-    compressor = lowdiff.TopK(ratio=0.1, min_numel=256)
-    digests = {}
-    for step in range(40):
-        forward_backward(model, sampler)
-        _compress_in_place(opt, compressor)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        digests[step + 1] = state_digest(model, opt, sched, sampler)
-    return digests
+    return reference_digests(40)
 
 
 # ------------------------------------------------------------------ 1. stale and foreign manifests

@@ -11,37 +11,21 @@ import torch
 
 import lowdiff
 import recovery
-from lowdiff.demo import _compress_in_place, forward_backward, state_digest
+from lowdiff.demo import state_digest
 from lowdiff.manifest import read_manifest
-from lowdiff_helpers import build, train_steps, wrap
+from lowdiff_helpers import build, reference_digests, train_directory, train_steps, wrap
 
 STEPS = 23   # lowdiff_helpers: full_every 6, batch_steps 3, keep_full 4: fulls 0, 6, 12, 18
 
 
 @pytest.fixture(scope="module")
 def reference():
-    model, opt, sched, sampler = build()
-    compressor = lowdiff.TopK(ratio=0.1, min_numel=256)
-    digests = {0: state_digest(model, opt, sched, sampler)}
-    for step in range(STEPS + 4):
-        forward_backward(model, sampler)
-        _compress_in_place(opt, compressor)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        digests[step + 1] = state_digest(model, opt, sched, sampler)
-    return digests
+    return reference_digests(STEPS + 4)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> str:
-    directory = str(tmp_path_factory.mktemp("travel") / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    recovery.resume(directory, model, opt)
-    train_steps(model, opt, sched, sampler, 0, STEPS)
-    opt.close()
-    return directory
+    return train_directory(str(tmp_path_factory.mktemp("travel") / "ckpt"), STEPS)
 
 
 def resume_fresh(directory, step):

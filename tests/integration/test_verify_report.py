@@ -7,19 +7,13 @@ import os
 import recovery
 from lowdiff.manifest import read_manifest
 from lowdiff.records import RECORD_HEADER
-from lowdiff_helpers import build, train_steps, wrap
+from lowdiff_helpers import train_directory
 
 STEPS = 23   # fulls 0, 6, 12, 18 (keep_full 4); batches of 3
 
 
 def trained(tmp_path) -> str:
-    directory = str(tmp_path / "ckpt")
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    recovery.resume(directory, model, opt)
-    train_steps(model, opt, sched, sampler, 0, STEPS)
-    opt.close()
-    return directory
+    return train_directory(str(tmp_path / "ckpt"), STEPS)
 
 
 def test_a_pristine_directory_is_recoverable_from_every_full_checkpoint(tmp_path):
