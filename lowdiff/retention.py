@@ -94,12 +94,22 @@ def _last_files(manifest: Manifest, n: int) -> set:
 
 def _every_files(manifest: Manifest, k: int) -> set:
     """For each multiple ``s`` of ``k`` some full checkpoint's chain reaches: the newest full
-    checkpoint at or before ``s`` that reaches it, and its batches up to the one holding ``s``."""
+    checkpoint at or before ``s`` that reaches it, and its batches up to the one holding ``s``.
+
+    A full checkpoint also answers for the multiples before the next newer one even where its
+    chain does not reach them yet: files arrive out of step order (a full checkpoint is committed,
+    or copied to a tier, before the batch that ends just before it), and the batch that makes
+    ``s`` reachable must still find its full checkpoint there."""
     keep: set = set()
     covered: set = set()
+    newer_step = None
     for full in sorted(manifest.fulls, key=lambda f: f.step, reverse=True):
         chain = plan_chain(manifest, full.step)
         end = chain_end(manifest, full.step, chain)
+        if newer_step is not None and not any(b.last > full.step and b.first < newer_step
+                                              for b in manifest.batches):
+            end = max(end, newer_step - 1)   # the batches up to the newer full are still to come
+        newer_step = full.step
         first_multiple = -(-max(full.step, k) // k) * k
         targets = [s for s in range(first_multiple, end + 1, k) if s not in covered]
         if not targets:

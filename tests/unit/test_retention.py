@@ -74,3 +74,12 @@ def test_no_full_checkpoint_yet_keeps_everything():
 def test_bad_policies_are_refused(bad):
     with pytest.raises(ValueError):
         bad()
+
+
+def test_keep_every_keeps_a_full_whose_batches_have_not_arrived_yet():
+    """Full 16 committed (or copied to a tier) before the batch 13-15 that makes step 15 reachable
+    from full 12: full 12 must stay, and the batch is kept when it comes."""
+    early = run([0, 4, 8, 12, 16], [(1, 3), (4, 4), (5, 7), (8, 8), (9, 11), (12, 12)])
+    assert kept(KeepEvery(5, last=1).retain(early)) == ([4, 8, 12, 16], [(5, 7), (9, 11)])
+    later = run([4, 8, 12, 16], [(5, 7), (9, 11), (13, 15)])
+    assert kept(KeepEvery(5, last=1).retain(later)) == ([4, 8, 12, 16], [(5, 7), (9, 11), (13, 15)])
