@@ -198,17 +198,21 @@ def _open_chain(directory: str, inventory, base_step: int, stop_step: int | None
     before a batch that is missing or is not what its entry says (with a warning); a batch whose
     index is damaged (a torn or truncated file) still gives the records that verify."""
     chain: list[tuple[BatchEntry, BatchReader]] = []
-    for entry in plan_chain(inventory.manifest, base_step):
-        if stop_step is not None and entry.first > stop_step:
-            break
-        reader = _open_batch(directory, inventory, entry, base_step, stop_step, chain)
-        if reader is None:
-            break
-        chain.append((entry, reader))
+    try:
+        for entry in plan_chain(inventory.manifest, base_step):
+            if stop_step is not None and entry.first > stop_step:
+                break
+            reader = _open_batch(directory, inventory, entry, base_step, stop_step)
+            if reader is None:
+                break
+            chain.append((entry, reader))
+    except BaseException:   # e.g. _Moved: a live trainer retired a file; the caller starts again
+        _close_all(chain)
+        raise
     return chain
 
 
-def _open_batch(directory, inventory, entry, base_step, stop_step, chain):
+def _open_batch(directory, inventory, entry, base_step, stop_step):
     path = os.path.join(directory, entry.file)
     ends = f"the chain from step {base_step} ends at step {entry.first - 1}"
     try:
@@ -219,8 +223,7 @@ def _open_batch(directory, inventory, entry, base_step, stop_step, chain):
         return None
     except VersionMismatchError as exc:
         if stop_step is None:
-            _close_all(chain)
-            raise
+            raise   # (_open_chain closes what it opened)
         warn(f"lowdiff: {exc}; {ends}")
         return None
     except (CorruptCheckpointError, OSError, EOFError) as exc:
