@@ -38,6 +38,6 @@ setup(
     # A range that torch 2.13 satisfies and no newer release does: an open range pulls a CUDA build.
     install_requires=["torch>=2.2,<2.14", "numpy", "zstandard>=0.20"],
     # Frameworks for lowdiff.integrations (their tests skip without them); none of them pulls a torch.
-    extras_require={"test": ["pytest", "hypothesis"],
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
                     "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2"]},
 )

@@ -37,6 +37,9 @@ class _ErrorSlot:
         raise self.error
 
 
+_RECHECK = object()   # put() blocked: close the batch if the records held already fill one
+
+
 class DiffWriter:
     """Encodes records as they arrive and writes a batch file every ``batch_steps`` records or
     when sealed. At most ``max_pending_steps`` records may be recorded but not yet durable: beyond
@@ -64,6 +67,11 @@ class DiffWriter:
         background error: the caller checks before it changes state (``check``)."""
         with self._room:
             while self._pending_steps >= self.max_pending_batches * self.controller.batch_steps:
+                # The writer closes a batch when a record arrives and finds ``batch_steps`` of them
+                # pending. If ``batch_steps`` shrank after the last arrival (a controller decision),
+                # the records it holds may already fill a batch and no arrival will come to say so:
+                # ask it to look again, or both threads wait for each other.
+                self._queue.put(_RECHECK)
                 self._room.wait()
             self._pending_steps += 1
         self._queue.put(record)
@@ -104,6 +112,11 @@ class DiffWriter:
                 self._write(pending)
                 pending = []
                 item.set()
+                continue
+            if item is _RECHECK:
+                if pending and len(pending) >= self.controller.batch_steps:
+                    self._write(pending)
+                    pending = []
                 continue
             try:
                 if self._errors.error is None:

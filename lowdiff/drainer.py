@@ -74,6 +74,10 @@ class Drainer:
         self._skipped: set = set()              # local files the shared policy would drop at once
         self._local_step = newest_step(self._local)
         self._shared_step = newest_step(in_shared)
+        # Steps the drainer is done with, copied or skipped: what backpressure measures the lag
+        # by. A file the shared policy skips is no work left, and if the newest ones were skipped,
+        # waiting for the shared tier's own step to advance would wait for ever.
+        self._handled_step = self._shared_step
         self._error: BaseException | None = None
         self._closing = False
         self._warned = False
@@ -98,20 +102,20 @@ class Drainer:
     # ------------------------------------------------------------ training thread
     def lag_steps(self) -> int:
         with self._cond:
-            return max(self._local_step - self._shared_step, 0)
+            return max(self._local_step - self._handled_step, 0)
 
     def throttle(self) -> None:
         """Block while the shared tier is more than ``max_lag_steps`` behind (backpressure)."""
         with self._cond:
-            if self._local_step - self._shared_step <= self.max_lag_steps or self._stopped():
+            if self._local_step - self._handled_step <= self.max_lag_steps or self._stopped():
                 return
             if not self._warned:
                 self._warned = True
                 log.warning("lowdiff: the shared tier %s is %d steps behind the local one (max_lag_steps=%d); "
                             "training waits for the drainer (said once)", self.shared.directory,
-                            self._local_step - self._shared_step, self.max_lag_steps)
+                            self._local_step - self._handled_step, self.max_lag_steps)
             started = time.perf_counter()
-            while self._local_step - self._shared_step > self.max_lag_steps and not self._stopped():
+            while self._local_step - self._handled_step > self.max_lag_steps and not self._stopped():
                 self._cond.wait()
             self.stats["backpressure_waits"] += 1
             self.stats["backpressure_s"] += time.perf_counter() - started
@@ -127,7 +131,7 @@ class Drainer:
     def snapshot(self) -> dict:
         with self._cond:
             return {"shared_dir": self.shared.directory, "shared_step": self._shared_step,
-                    "lag_steps": max(self._local_step - self._shared_step, 0), **self.stats}
+                    "lag_steps": max(self._local_step - self._handled_step, 0), **self.stats}
 
     def close(self) -> None:
         """Copy everything the local tier has committed, then stop; raise a copy error."""
@@ -177,8 +181,7 @@ class Drainer:
 
     def _drain(self, entry) -> None:
         if not self.shared.would_keep(entry):
-            with self._cond:
-                self._skipped.add(entry.file)
+            self._skip(entry)
             return
         try:
             nbytes = copy_file(os.path.join(self.local.directory, entry.file),
@@ -187,7 +190,7 @@ class Drainer:
             with self._cond:
                 if entry.file in self._local.files():
                     raise
-                self._skipped.add(entry.file)   # dropped by the local tier meanwhile (abandoned timeline)
+            self._skip(entry)   # dropped by the local tier meanwhile (abandoned timeline)
             return
         if nbytes != entry.nbytes:
             raise CheckpointError(f"{entry.file} is {nbytes} bytes in {self.local.directory}, its manifest "
@@ -198,10 +201,19 @@ class Drainer:
             self._done.add(entry.file)
             self._done &= self._local.files() | self.shared.manifest.files()   # bounded by what is listed
             self._shared_step = max(self._shared_step, entry_end(entry))
+            self._handled_step = max(self._handled_step, entry_end(entry))
             self.stats["drained_files"] += 1
             self.stats["drained_bytes"] += nbytes
             self._cond.notify_all()
         self.local.clean()   # the copied file is no longer pinned: the local policy may let it go
+
+    def _skip(self, entry) -> None:
+        with self._cond:
+            self._skipped.add(entry.file)
+            # Entries are taken oldest first, so every local step up to here is handled; an entry
+            # of an abandoned timeline may end past the newest local step, hence the bound.
+            self._handled_step = max(self._handled_step, min(entry_end(entry), self._local_step))
+            self._cond.notify_all()
 
 
 def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None) -> tuple[PolicyStore, Drainer]:

@@ -6,7 +6,7 @@ import torch
 import lowdiff
 import recovery
 from lowdiff.demo import state_digest
-from lowdiff_helpers import build, train_steps, wrap
+from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 STEPS = 40
 
@@ -76,3 +76,37 @@ def test_settings_changing_mid_run_keep_every_chain_replayable(tmp_path, rng):
     assert len({c[1:] for c in changes}) > 3
     for step in range(31):
         assert _resumed_digest(directory, step) == (step, digests[step]), f"step {step} (changes {changes})"
+
+
+def test_batch_steps_shrinking_below_the_records_held_does_not_stall_training(tmp_path):
+    """The writer holds 4 records of a batch of 5 when batch_steps drops to 2: those 4 already
+    fill a batch, and with one batch allowed in flight the next step() must not wait for a record
+    that never comes (it used to wait forever: CI hung here). The run stays exact."""
+    import threading
+    import time
+
+    digests = reference_digests(8)
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, full_every=100, batch_steps=5,
+               max_pending_batches=1)
+
+    def shrink(step):
+        if step == 4:
+            # Let the writer take in the records queued so far first: the hang needs them held.
+            while not opt._session.diffs._queue.empty():
+                time.sleep(0.001)
+            time.sleep(0.05)
+            opt.controller.batch_steps = 2
+
+    def train():
+        try:
+            train_steps(model, opt, sched, sampler, 0, 8, shrink)
+        finally:
+            opt.close()
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    trainer.join(timeout=120)   # a deadlock detector, not a timing: the run takes well under a second
+    assert not trainer.is_alive(), "step() blocked for good after batch_steps shrank"
+    assert _resumed_digest(directory, None) == (8, digests[8])
