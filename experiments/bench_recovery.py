@@ -255,6 +255,11 @@ def run(args, work: str) -> int:
           f"{default / bound_same_run:.2f}; time beyond the optimizer's own steps: naive "
           f"{rows[0]['beyond_steps_s']} s, resume {rows[2]['beyond_steps_s']} s "
           f"({rows[0]['beyond_steps_s'] / max(rows[2]['beyond_steps_s'], 1e-9):.1f}x less)")
+    # Any exact recovery runs every recorded optimizer step, so no method can beat the naive one by
+    # more than naive / lower bound: when the steps dominate (large model, CPU optimizer) the
+    # "3x" target is out of reach for every method, and the bound shows by how much.
+    print(f"the most any exact recovery could gain over naive here: naive / lower bound = "
+          f"{rows[0]['seconds'] / bound:.2f}")
     rows += full_load_rows(directory, work, args.model, bandwidth)
     rows += scaling_rows(directory, args)
     if args.csv:
