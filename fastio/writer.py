@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import warnings
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
@@ -113,8 +114,11 @@ class Writer:
             self._append_copy(memoryview(bytes(align - self._size % align)))
         return self._size
 
-    def commit(self) -> None:
-        """Make the file durable under its final name (see the module docstring). Idempotent."""
+    def commit(self, check: Callable[[str], None] | None = None) -> None:
+        """Make the file durable under its final name (see the module docstring). Idempotent.
+        ``check(temporary_path)`` is called with the data durable under the temporary name, just
+        before the rename (e.g. to read it back): if it raises, the file is aborted and nothing
+        appears at ``path``."""
         if self._state == "committed":
             return
         self._check_open()
@@ -125,6 +129,8 @@ class Writer:
             if padded != self._size or self._size == 0 or self._allocated_bytes > self._size:
                 os.ftruncate(self._fd, self._size)
             os.fdatasync(self._fd)
+            if check is not None:
+                check(self._tmp_path)
         except OSError as exc:
             self.abort()
             if exc.filename is None:

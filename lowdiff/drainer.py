@@ -22,9 +22,10 @@ import numpy as np
 import fastio
 
 from . import faults
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import FullEntry, Manifest
-from .tiers import PolicyStore, Tiers, join_runs, write_marker
+from .partition import Partition, rank_directory
+from .tiers import PolicyStore, Tiers, check_layouts, complete_in, join_runs, refuse_runs, write_marker
 
 log = logging.getLogger("lowdiff")
 _CHUNK_BYTES = 8 << 20
@@ -41,7 +42,9 @@ def newest_step(manifest: Manifest) -> int:
 
 def copy_file(source: str, target: str, engine=None) -> int:
     """Copy ``source`` to ``target`` with fastio.Writer (temporary name, fdatasync, rename,
-    directory fsync); return the bytes copied."""
+    directory fsync) and return the bytes copied. The copy is verified before the rename: the
+    temporary file is read back and its CRC-32C must equal that of the bytes read from ``source``
+    (CorruptCheckpointError naming ``target`` otherwise; nothing appears at ``target``)."""
     # One reused read buffer, deliberately one byte past a page boundary: fastio writes aligned
     # memory without copying and needs it unchanged until commit, so an aligned buffer could not
     # be refilled; a misaligned one is copied into fastio's staging ring at each write.
@@ -49,13 +52,35 @@ def copy_file(source: str, target: str, engine=None) -> int:
     start = (-raw.ctypes.data) % fastio.ALIGN_BYTES + 1
     buffer = raw[start:start + _CHUNK_BYTES]
     view = buffer.data
+    crc = 0
     with open(source, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         with fastio.Writer(target, size_hint=size, engine=engine) as writer:
             while n := f.readinto(view):
+                crc = fastio.crc32c(buffer[:n], crc)
                 writer.write(buffer[:n])
             faults.point("drain-write")
-    return size
+            writer.commit(check=lambda written: check_copy(written, target, writer.size, crc, engine))
+    return writer.size
+
+
+def check_copy(path: str, target: str, nbytes: int, crc: int, engine=None) -> None:
+    """Read ``path`` (the copy of ``target`` before its rename) back and compare its size and CRC-32C
+    with what was written. Aligned reads into an aligned buffer go through O_DIRECT where the
+    filesystem allows it, so the bytes come from the device rather than from the page cache."""
+    chunk = fastio.aligned_buffer(_CHUNK_BYTES)
+    found = 0
+    with fastio.Reader(path, engine=engine) as reader:
+        if reader.size != nbytes:
+            raise CorruptCheckpointError(target, f"the copy in the shared tier is {reader.size} bytes, "
+                                                 f"{nbytes} were written")
+        for offset in range(0, nbytes, _CHUNK_BYTES):
+            n = min(_CHUNK_BYTES, nbytes - offset)
+            reader.read_into(offset, chunk.view(0, n))
+            found = fastio.crc32c(chunk.view(0, n), found)
+    if found != crc:
+        raise CorruptCheckpointError(target, f"the copy in the shared tier reads back with CRC-32C {found:#010x}, "
+                                             f"the bytes written have {crc:#010x}")
 
 
 class Drainer:
@@ -216,17 +241,32 @@ class Drainer:
             self._cond.notify_all()
 
 
-def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None) -> tuple[PolicyStore, Drainer]:
+def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None,
+               partition: Partition | None = None) -> tuple[PolicyStore, Drainer]:
     """The local tier's store (``directory``) and the drainer to ``tiers.shared_dir``; both hold
-    their directory's lock."""
-    local = PolicyStore(directory, tiers.local_policy(keep_full))
+    their directory's lock. With ``partition`` (this rank of a partitioned run), the rank's
+    directory of each tier: ``directory/rank-N`` drains into ``shared_dir/rank-N``, each tier's
+    retention counting its own complete sets; ``partition.join`` (a collective) happens here."""
+    local_dir = directory if partition is None else partition.directory
+    shared_dir = tiers.shared_dir if partition is None else rank_directory(tiers.shared_dir, partition.rank)
+    if os.path.realpath(directory) == os.path.realpath(tiers.shared_dir):
+        raise ValueError(f"shared_dir={tiers.shared_dir!r} is the local checkpoint directory itself")
+    check_layouts(partition, tiers.shared_dir)
+    local = PolicyStore(local_dir, tiers.local_policy(keep_full),
+                        complete=None if partition is None else partition.complete)
     try:
-        if os.path.realpath(local.directory) == os.path.realpath(tiers.shared_dir):
-            raise ValueError(f"shared_dir={tiers.shared_dir!r} is the local checkpoint directory itself")
-        shared = PolicyStore(tiers.shared_dir, tiers.shared, clean_point="clean")
+        shared = PolicyStore(shared_dir, tiers.shared, clean_point="clean",
+                             complete=None if partition is None else complete_in(partition, tiers.shared_dir))
         try:
             join_runs(local, shared)
-            write_marker(local.directory, tiers, local.policy)
+            if partition is not None:
+                # Every rank takes rank 0's session and run (each tier of each rank already agreed
+                # with the other tier, so this changes only the run of ranks whose tiers are new).
+                partition.join(local)
+                if shared.manifest.files() and shared.run != local.run:
+                    refuse_runs(local, shared)
+                shared.run = local.run
+            write_marker(directory, tiers, local.policy)
             return local, Drainer(local, shared, tiers.max_lag_steps, engine)
         except BaseException:
             shared.close()
@@ -234,4 +274,3 @@ def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None) -> tup
     except BaseException:
         local.close()
         raise
-

@@ -26,9 +26,10 @@ from .errors import CorruptCheckpointError, DirectoryBusyError, ForeignFileError
 from .format import FullIndex
 from .manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest
 
-# Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND", for checkpoint files and the
-# manifest) and by lowdiff before the manifest went through fastio ("MANIFEST.json.tmp-PID").
-TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json)\.tmp-(\d+)-[0-9a-f]+$"
+# Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND", for checkpoint files, the
+# manifest and the tier marker) and by lowdiff before the manifest went through fastio
+# ("MANIFEST.json.tmp-PID").
+TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json|TIERS\.json)\.tmp-(\d+)-[0-9a-f]+$"
                      r"|^MANIFEST\.json\.tmp-(\d+)$")
 _READ_ATTEMPTS = 5
 
@@ -105,7 +106,7 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
         except CorruptCheckpointError as exc:
             notes.append(f"{exc}; rebuilding the list of checkpoints from the files in {directory}")
     checkpoint_names = [n for n in sizes if FULL_RE.match(n) or DIFF_RE.match(n)]
-    dead_temps = tuple(n for n in sizes if _is_dead_temp(n))
+    dead_temps = tuple(n for n in sizes if is_dead_temp(n))
     foreign = committed is not None and bool(checkpoint_names) and bool(committed.files()) and \
         not committed.files() & set(checkpoint_names) and \
         (committed.run is None or committed.run != _newest_run(directory, [n for n in checkpoint_names
@@ -267,7 +268,8 @@ def _newest_run(directory: str, full_names: list) -> str | None:
     return None
 
 
-def _is_dead_temp(name: str) -> bool:
+def is_dead_temp(name: str) -> bool:
+    """Whether ``name`` is a temporary file of ours whose writer process is gone."""
     m = TEMP_RE.match(name)
     if not m:
         return False

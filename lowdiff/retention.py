@@ -77,6 +77,20 @@ def check_policy(name: str, policy) -> None:
                         f"got {policy!r}")
 
 
+def retain_sets(policy: Policy, manifest: Manifest, pinned: Set[str], complete: Set[tuple]) -> Manifest:
+    """Retention in one rank's directory of a partitioned tier. ``policy`` chooses among the full
+    checkpoints whose set is complete (``complete``: their (step, session)); a share of a set that
+    is not complete (yet) stays when it is newer than the oldest full checkpoint the policy kept —
+    its set may still complete and become the newest state — and goes when older (a set that never
+    completed is not needed once newer complete ones exist), unless pinned."""
+    done = dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if (f.step, f.session) in complete])
+    kept = policy.retain(done, pinned)
+    oldest = min((f.step for f in kept.fulls), default=None)
+    files = kept.files() | {f.file for f in manifest.fulls if (f.step, f.session) not in complete and
+                            (oldest is None or f.step > oldest or f.file in pinned)}
+    return _keep(manifest, files)
+
+
 def _keep(manifest: Manifest, files: set) -> Manifest:
     return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f.file in files],
                                batches=[b for b in manifest.batches if b.file in files])

@@ -34,9 +34,8 @@ class CheckpointSession:
         self.controller = Controller(config)
         self.drainer = None          # storage tiers: copies committed files to the shared tier
         if config.tiers is not None:
-            if partition is not None:
-                raise ValueError("storage tiers (shared_dir=...) are not supported under torch.distributed yet")
-            self.store, self.drainer = open_tiers(directory, config.tiers, config.keep_full, engine)
+            # (Partitioned: each rank drains its own rank directory; the join happens in there.)
+            self.store, self.drainer = open_tiers(directory, config.tiers, config.keep_full, engine, partition)
         elif partition is None:
             self.store = CheckpointStore(directory, config.keep_full)
         else:
@@ -44,8 +43,9 @@ class CheckpointSession:
             partition.join(self.store)
         self.partition = partition
         self.directory = self.store.directory
+        # Replica mode: a persisted replica holds the steps before it, their records need no batch.
         self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine,
-                                batch_format=partition)
+                                batch_format=partition, drop_covered=config.replica)
         self.fulls = FullWriter(self.store, self.controller, engine,
                                 snapshot=None if partition is None else partition.snapshot())
         self.closed = False

@@ -17,8 +17,10 @@ from collections.abc import Callable
 import fastio
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import BatchEntry, Manifest
-from .retention import KeepAll, KeepEvery, KeepLast, Policy, check_policy
+from .inventory import is_dead_temp
+from .manifest import MANIFEST_NAME, BatchEntry, Manifest
+from .partition import Partition, is_partitioned, partition_for
+from .retention import KeepAll, KeepEvery, KeepLast, Policy, check_policy, retain_sets
 from .store import CheckpointStore
 
 __all__ = ["KeepAll", "KeepEvery", "KeepLast", "Tiers"]
@@ -64,20 +66,33 @@ def tiers_from(shared_dir, tiers) -> Tiers | None:
     return None if shared_dir is None else Tiers(shared_dir)
 
 
+def tiers_partition(directory, tiers: Tiers | None, rank: int, world: int, params: list) -> Partition | None:
+    """The rank's Partition (lowdiff.partition.partition_for), also when only the shared tier is
+    partitioned: nodes replaced with empty local directories continue a partitioned run."""
+    partition = partition_for(directory, rank, world, params)
+    if partition is None and tiers is not None and is_partitioned(tiers.shared_dir):
+        partition = Partition.of(directory, rank, world, params)
+    return partition
+
+
 class PolicyStore(CheckpointStore):
     """A tier's store: retention by ``policy``, never dropping a file ``pinned()`` names; after
-    each commit, ``on_commit(manifest)`` (called with the store's mutex held: keep it short)."""
+    each commit, ``on_commit(manifest)`` (called with the store's mutex held: keep it short).
+    ``complete`` (a partitioned tier, see CheckpointStore): the policy counts complete sets only."""
 
     def __init__(self, directory: str, policy: Policy, *, pinned: Callable[[], set] | None = None,
-                 clean_point: str = "retention"):
+                 clean_point: str = "retention", complete=None):
         self.policy = policy
         self.pinned = pinned
         self.on_commit: Callable[[Manifest], None] | None = None
         self.clean_point = clean_point
-        super().__init__(directory, keep_full=policy.n if isinstance(policy, KeepLast) else 1)
+        super().__init__(directory, keep_full=policy.n if isinstance(policy, KeepLast) else 1, complete=complete)
 
     def _retain(self, manifest: Manifest) -> Manifest:
-        return self.policy.retain(manifest, self.pinned() if self.pinned is not None else frozenset())
+        pinned = self.pinned() if self.pinned is not None else frozenset()
+        if self._complete is None:
+            return self.policy.retain(manifest, pinned)
+        return retain_sets(self.policy, manifest, pinned, self._complete(manifest.fulls))
 
     def _commit(self, manifest: Manifest) -> None:
         super()._commit(manifest)
@@ -131,8 +146,29 @@ def join_runs(local: CheckpointStore, shared: CheckpointStore) -> None:
     elif not shared_files:
         shared.run = local.run
     elif local.run != shared.run:
-        raise CheckpointError(f"{shared.directory} holds run {shared.run}, {local.directory} run {local.run}: "
-                              f"the shared tier belongs to another training run")
+        refuse_runs(local, shared)
+
+
+def refuse_runs(local: CheckpointStore, shared: CheckpointStore):
+    raise CheckpointError(f"{shared.directory} holds run {shared.run}, {local.directory} run {local.run}: "
+                          f"the shared tier belongs to another training run")
+
+
+def check_layouts(partition: Partition | None, shared_root: str) -> None:
+    """One tier never mixes the single-process and the partitioned layout."""
+    single = os.path.exists(os.path.join(shared_root, MANIFEST_NAME))
+    if partition is not None and single:
+        raise CheckpointError(f"{shared_root} holds single-process checkpoints: a partitioned run (torch.distributed) "
+                              f"cannot drain into it; name another shared_dir")
+    if partition is None and is_partitioned(shared_root):
+        raise CheckpointError(f"{shared_root} is partitioned (written under torch.distributed): a single-process "
+                              f"run cannot drain into it; name another shared_dir")
+
+
+def complete_in(partition: Partition, root: str):
+    """``complete(fulls)`` of the same rank in the partitioned directory ``root`` (the shared tier):
+    evaluated at each call, with the set's session as ``partition.join`` left it."""
+    return lambda fulls: dataclasses.replace(partition, root=root).complete(fulls)
 
 
 # ---------------------------------------------------------------------- TIERS.json
@@ -143,6 +179,12 @@ def write_marker(local_dir: str, tiers: Tiers, local_policy: Policy) -> None:
             "shared_policy": tiers.shared.describe(), "max_lag_steps": tiers.max_lag_steps}
     data = json.dumps(body, indent=1, sort_keys=True).encode()
     path = os.path.join(local_dir, TIERS_NAME)
+    for name in os.listdir(local_dir):   # a writer killed mid-write left its temporary file
+        if name.startswith(f".{TIERS_NAME}.tmp-") and is_dead_temp(name):
+            try:
+                os.unlink(os.path.join(local_dir, name))
+            except FileNotFoundError:
+                pass
     try:
         with open(path, "rb") as f:
             if f.read() == data:

@@ -28,12 +28,11 @@ from .controller import Controller
 from .ddp import distributed_rank
 from .errors import CheckpointError
 from .lifecycle import Busy, install_exit_hooks, live
-from .partition import partition_for
 from .replica import Replica, check_replica_arguments
 from .session import CheckpointSession
 from .stepcapture import StepCapture
 from .store import CheckpointStore
-from .tiers import Tiers, tiers_from
+from .tiers import Tiers, tiers_from, tiers_partition
 
 
 def _kept_by(part: str, name: str, doc: str) -> Any:
@@ -105,7 +104,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             check_replica_arguments(self._capture.compressor, model, self.world_size)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.partition).
-        partition = partition_for(directory, self.rank, self.world_size, self._capture.params)
+        partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
         self._session = CheckpointSession(directory, self.config, engine, partition=partition)
         # Replica mode (LowDiff+): a background replica is persisted instead of differentials.
         self._replica = Replica(self._capture, self._session.store, self.config, replica_inflight_steps,

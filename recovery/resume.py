@@ -139,10 +139,9 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     if shared is None:
         restored, own = _restore_any_layout(directory, targets, step, workers)
     else:
-        restored, tier = restore_from_tiers(
+        restored, tier, own = restore_from_tiers(
             directory, shared, check_full=targets.check_full, stop_step=step, apply_full=targets.apply_full,
             params_for=targets.params, optimizer_for=lambda index: targets.inner, workers=workers)
-        own = True
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:

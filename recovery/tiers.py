@@ -1,16 +1,21 @@
 """Resume from storage tiers: plan a recovery in the local and in the shared tier, take the newest
 state that verifies (the local tier when both reach the same step), and say which tier was used.
-A missing, empty or damaged local tier (a replaced node) falls back to the shared one.
+A missing, empty or damaged local tier (a replaced node) falls back to the shared one. Partitioned
+tiers (training under torch.distributed) are planned and restored at any world size alike.
 """
 from __future__ import annotations
 
 import logging
 import os
 
-from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from lowdiff.partition import is_partitioned
+import torch.distributed as dist
+
+from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+from lowdiff.manifest import Manifest
+from lowdiff.partition import is_partitioned, read_manifests
 from lowdiff.tiers import read_marker
 
+from .distributed import plan_sets, restore_partitioned
 from .restore import Restored, execute, plan_recovery, restore, warn
 
 log = logging.getLogger("lowdiff")
@@ -34,13 +39,12 @@ def shared_tier(directory: str, wrapper, shared_dir) -> str | None:
 
 
 def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | None,
-                       **run) -> tuple[Restored | None, str]:
-    """(Restored or None for two empty tiers, "local" | "shared"). ``run``: apply_full,
-    params_for, optimizer_for, workers (recovery.restore.execute)."""
-    for directory in (local, shared):
-        if is_partitioned(directory):
-            raise CheckpointError(f"{directory} is partitioned: storage tiers are not supported with "
-                                  f"torch.distributed yet")
+                       **run) -> tuple[Restored | None, str, bool]:
+    """(Restored or None for two empty tiers, "local" | "shared", whether this rank got its own
+    per-rank state back). ``run``: apply_full, params_for, optimizer_for, workers
+    (recovery.restore.execute). Partitioned tiers: see restore_partitioned_tiers."""
+    if is_partitioned(local) or is_partitioned(shared):
+        return restore_partitioned_tiers(local, shared, check_full=check_full, stop_step=stop_step, **run)
     directories = dict(zip(TIERS, (local, shared)))
     plans, errors = {}, {}
     for tier, directory in directories.items():
@@ -55,7 +59,7 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
         if errors:
             raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
                 f"{tier} tier {directories[tier]}: {exc}" for tier, exc in errors.items()))
-        return None, "local"
+        return None, "local", True
     order = sorted(plans, key=lambda tier: (-plans[tier].reach_step, TIERS.index(tier)))
     best = order[0]
     if best == "shared":
@@ -80,7 +84,76 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
     return _said(again, best)
 
 
-def _said(restored: Restored | None, tier: str) -> tuple[Restored | None, str]:
+# ---------------------------------------------------------------------- partitioned tiers
+def tier_reach(root: str, stop_step: int | None) -> int:
+    """The step the newest complete full set of the partitioned directory ``root`` reaches by its
+    manifests (at or before ``stop_step``): the smallest over its shares' chains; -1 for none.
+    Its records may still fail to verify (the restore then ends earlier)."""
+    sets, _ = plan_sets(root, stop_step)
+    if not sets:
+        return -1
+    newest = sets[0]
+    manifests = read_manifests(root, range(newest.count))
+    ends = []
+    for i, names in enumerate(newest.chains):
+        batches = {b.file: b for b in (manifests.get(i) or Manifest()).batches}
+        ends.append(batches[names[-1]].last if names and names[-1] in batches else newest.step)
+    reach = min(ends)
+    return reach if stop_step is None else min(reach, stop_step)
+
+
+def _agreed_reach(directories: dict, stop_step: int | None) -> dict:
+    """{tier: reach} planned by rank 0 and sent to every rank, so that all choose alike."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    plan: list = [None]
+    if world == 1 or dist.get_rank() == 0:
+        plan[0] = {tier: tier_reach(directory, stop_step) for tier, directory in directories.items()}
+    if world > 1:
+        dist.broadcast_object_list(plan, src=0)
+    return plan[0]
+
+
+def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step: int | None, apply_full, params_for,
+                              optimizer_for, workers=None) -> tuple[Restored | None, str, bool]:
+    """Partitioned tiers (docs/format.md, "Partitioned directories with tiers"), on every rank of
+    the process group alike: restore the tier whose newest complete set reaches furthest (the
+    local one when equal) with recovery.distributed; if it ends before the other tier's plan, try
+    that one and keep the further."""
+    directories = dict(zip(TIERS, (local, shared)))
+    reach = _agreed_reach(directories, stop_step)
+    order = sorted((t for t in TIERS if reach[t] >= 0), key=lambda t: (-reach[t], TIERS.index(t)))
+    if not order:
+        return None, "local", True
+
+    def attempt(tier):
+        try:
+            return restore_partitioned(directories[tier], check_full=check_full, apply_full=apply_full,
+                                       params_for=params_for, optimizer_for=optimizer_for, stop_step=stop_step,
+                                       workers=workers)
+        except NoCheckpointError as exc:   # the same on every rank (the ranks agree on what failed)
+            warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
+            return None, True
+    best = order[0]
+    if best == "shared":
+        why = "it has no complete full checkpoint" if reach["local"] < 0 else \
+            f"it reaches step {reach['local']}, the shared tier step {reach['shared']}"
+        warn(f"lowdiff: resuming from the shared tier {shared}: the local tier {local} is not used ({why})")
+    restored, own = attempt(best)
+    if len(order) == 1 or (restored is not None and restored.step >= reach[order[1]]):
+        return _said(restored, best, own)
+    other = order[1]
+    warn(f"lowdiff: the {best} tier reached only step {restored.step if restored else -1}; trying the {other} "
+         f"tier (its files reach step {reach[other]})")
+    alternative, alternative_own = attempt(other)
+    if alternative is not None and (restored is None or alternative.step > restored.step):
+        return _said(alternative, other, alternative_own)
+    if restored is None:
+        return None, best, True
+    restored, own = attempt(best)
+    return _said(restored, best, own)
+
+
+def _said(restored: Restored | None, tier: str, own: bool = True) -> tuple[Restored | None, str, bool]:
     if restored is not None:
         log.info("lowdiff: resumed step %d from the %s tier (%s)", restored.step, tier, restored.directory)
-    return restored, tier
+    return restored, tier, own

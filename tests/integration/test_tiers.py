@@ -225,3 +225,61 @@ def test_shared_tier_of_another_run_is_refused(tmp_path):
     run_to(tmp_path / "b", None, 3)
     with pytest.raises(lowdiff.CheckpointError, match="another training run"):
         wrapped(tmp_path / "a", Tiers(str(tmp_path / "b")))
+
+
+def test_a_copy_that_reads_back_differently_is_never_committed_and_names_the_file(tmp_path, reference, monkeypatch):
+    """The drainer reads each copy back before its rename: a byte changed on the shared tier's
+    device between write and rename (done here to the real temporary file) is an error naming the
+    file, and nothing of that copy is listed or left in the shared tier."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    check = drainer_module.check_copy
+    damaged: list = []
+
+    def damage_then_check(path, target, nbytes, crc, engine=None):
+        if not damaged and os.path.basename(target).startswith("diff-"):
+            with open(path, "r+b") as f:
+                f.seek(nbytes // 2)
+                byte = f.read(1)
+                f.seek(nbytes // 2)
+                f.write(bytes([byte[0] ^ 0x10]))
+            damaged.append(os.path.basename(target))
+        return check(path, target, nbytes, crc, engine)
+
+    monkeypatch.setattr(drainer_module, "check_copy", damage_then_check)
+    model, opt, sched, sampler = wrapped(local, Tiers(str(shared)))
+    errors: list = []
+    try:
+        for _ in range(12):
+            forward_backward(model, sampler)
+            opt.step()
+            opt.zero_grad()
+    except lowdiff.CorruptCheckpointError as exc:
+        errors.append(exc)
+    try:
+        opt.close()
+    except lowdiff.CorruptCheckpointError as exc:
+        errors.append(exc)
+    assert damaged and errors, "the damaged copy went unnoticed"
+    assert all(damaged[0] in str(e) and "reads back" in str(e) for e in errors)
+    assert damaged[0] not in os.listdir(shared) and damaged[0] not in listed(shared).files()
+    assert not [n for n in os.listdir(shared) if ".tmp-" in n]
+    assert damaged[0] in listed(local).files()          # still pinned locally: never copied
+    start, digest = resume_digest(local, shared)
+    assert start.tier == "local" and digest == reference[int(start)]
+
+
+def test_a_dead_writers_tiers_marker_temporary_is_removed_at_open(tmp_path):
+    import subprocess
+    import sys
+
+    local = tmp_path / "local"
+    local.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stray = local / f".TIERS.json.tmp-{int(gone.stdout)}-0123abcd"
+    live = local / f".TIERS.json.tmp-{os.getpid()}-0123abcd"    # a live writer's: left alone
+    stray.write_bytes(b'{"version": 1, "shar')
+    live.write_bytes(b"")
+    run_to(local, Tiers(str(tmp_path / "shared")), 2)
+    assert not stray.exists() and live.exists()
+    assert (local / "TIERS.json").exists()
