@@ -11,6 +11,13 @@ rebuilds the epoch from that state, skipping the consumed batches by index (no d
 for them). Pass it to ``wrap(extra_state={"data": loader})``: lowdiff saves its state at every
 step boundary with the rest.
 
+Each epoch starts from a generator state derived from (seed, epoch) alone, not from where the
+previous epoch left the generator: how far that got depends on the consumer. ``RandomSampler``
+draws one more permutation when it is run to exhaustion, which a ``for`` loop does and a consumer
+that stops after ``len()`` batches (Lightning's fetcher, a loop that breaks) does not; worker
+processes exhaust it early by prefetching indices. An interrupted epoch is rebuilt from its saved
+start state, and every later epoch is the same whichever way the earlier ones were consumed.
+
 Random work inside the dataset (augmentation) runs in whichever worker gets a batch, so after a
 skip it would see other RNG streams; ``seed_samples=True`` seeds torch, numpy and random from
 (seed, epoch, index) around each sample, which makes it independent of workers and skips.
@@ -71,6 +78,13 @@ class _SeededSamples(torch.utils.data.Dataset):
         finally:
             random.setstate(python)
             np.random.set_state(numpy)
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A 64-bit seed for the generator at the start of ``epoch``: well mixed, so that nearby
+    seeds and epochs give unrelated streams."""
+    words = np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, epoch]).generate_state(2, np.uint32)
+    return int(words[0]) << 32 | int(words[1])
 
 
 class ResumableLoader:
@@ -138,13 +152,13 @@ class ResumableLoader:
         pending, self._pending = self._pending, None
         if pending is not None:
             epoch, position, epoch_start = pending
-            self.generator.set_state(epoch_start)        # the interrupted epoch, rebuilt from its start
-            if position < self._epoch_length():
+            if position < self._epoch_length():          # the interrupted epoch, rebuilt from its start
+                self.generator.set_state(epoch_start)
                 self.epoch, self.position, self._skipping.skip = epoch, position, position
                 self._began()
                 return
-            self._drain()                                # it had ended: on to the next, as it would have
         self.epoch, self.position = self.next_epoch, 0
+        self.generator.manual_seed(_epoch_seed(self._seed, self.epoch))
         self._began()
 
     def _began(self) -> None:
@@ -153,14 +167,6 @@ class ResumableLoader:
         if hasattr(self._sampler, "set_epoch"):         # DistributedSampler shuffles by epoch
             self._sampler.set_epoch(self.epoch)
 
-    def _drain(self) -> None:
-        """Draw from the generator what a whole epoch draws, in the DataLoader's order: the workers'
-        base seed when the epoch's iterator is made, then every index (a sampler may draw once
-        more when it runs out, after the last batch was handed out)."""
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        for _ in self._skipping.inner:
-            pass
-
     def _epoch_length(self) -> float:
         try:
             return len(self._loader)
@@ -168,11 +174,15 @@ class ResumableLoader:
             return float("inf")
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "epoch_start": self._epoch_start.clone()}
+        return {"epoch": self.epoch, "position": self.position, "epoch_start": self._epoch_start.clone(),
+                "seed": self._seed}
 
     def load_state_dict(self, state: dict) -> None:
         """The next ``iter()`` continues epoch ``state["epoch"]`` after its ``position`` batches
-        (or starts the next one when those were all)."""
+        (or starts the next one when those were all), and later epochs follow from the saved seed."""
+        self._seed = int(state.get("seed", self._seed))
+        if isinstance(self._loader.dataset, _SeededSamples):
+            self._loader.dataset.seed = self._seed
         self.generator.set_state(state["epoch_start"])
         self._epoch_start = state["epoch_start"]
         if state["epoch"] < 0:

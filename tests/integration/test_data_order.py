@@ -115,6 +115,32 @@ def test_next_epoch_names_the_epoch_a_loop_continues(tmp_path):
     assert again.next_epoch == 1
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_stopped_after_len_batches_gives_the_same_next_epoch(workers):
+    """RandomSampler draws one more permutation when it is run to exhaustion (a for loop) and not
+    when the consumer stops after len() batches (Lightning's fetcher): the next epoch, and a
+    loader resumed at an epoch's end, must not depend on which."""
+    def epochs(count: int, stop_at_len: bool, state=None):
+        loader = lowdiff.ResumableLoader(make_loader("shuffle", workers), seed=5)
+        if state is not None:
+            loader.load_state_dict(state)
+        orders, states = [], []
+        for _ in range(count):
+            batches, order = iter(loader), []
+            for _ in range(len(loader)):
+                order += next(batches)[2].tolist()
+            if not stop_at_len:
+                assert next(batches, None) is None
+            orders.append(order)
+            states.append(loader.state_dict())
+        return orders, states
+    exhausted, states = epochs(3, stop_at_len=False)
+    stopped, _ = epochs(3, stop_at_len=True)
+    assert stopped == exhausted and len({tuple(order) for order in exhausted}) == 3
+    resumed, _ = epochs(2, stop_at_len=True, state=states[0])
+    assert resumed == exhausted[1:]
+
+
 def test_an_iterable_dataset_is_refused_with_what_to_do():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
