@@ -45,11 +45,16 @@ class DiffWriter:
     when sealed. At most ``max_pending_steps`` records may be recorded but not yet durable: beyond
     that ``put`` blocks (backpressure), which bounds what a crash can lose."""
 
-    def __init__(self, store, controller, max_pending_batches: int, engine=None, batch_format=None):
+    def __init__(self, store, controller, max_pending_batches: int, engine=None, batch_format=None,
+                 drop_covered: bool = False):
         """``batch_format``: an object with ``encode(record)`` and ``write_batch(path, session,
         records, run=, engine=)`` used instead of the plain record and batch file (a share of a
-        partitioned directory, lowdiff.partition)."""
+        partitioned directory, lowdiff.partition). ``drop_covered`` (replica mode): records of
+        steps that a full checkpoint this session committed already holds are dropped before
+        their batch is written; the next batch then starts right after that checkpoint."""
         self.store = store
+        self._drop_covered = drop_covered
+        self.steps_dropped = 0           # records dropped because a full checkpoint covered them
         self._encode = encode_record if batch_format is None else batch_format.encode
         self._write_batch = write_batch if batch_format is None else batch_format.write_batch
         self.controller = controller
@@ -62,9 +67,10 @@ class DiffWriter:
         self._thread = threading.Thread(target=self._run, name="lowdiff-diff-writer", daemon=True)
         self._thread.start()
 
-    def put(self, record) -> None:
+    def put(self, record, release=None) -> None:
         """Queue ``record`` (blocks while too many steps are not yet durable). Never raises a
-        background error: the caller checks before it changes state (``check``)."""
+        background error: the caller checks before it changes state (``check``). ``release()``
+        is called (on the writer thread) once the record's tensors have been read."""
         with self._room:
             while self._pending_steps >= self.max_pending_batches * self.controller.batch_steps:
                 # The writer closes a batch when a record arrives and finds ``batch_steps`` of them
@@ -74,7 +80,7 @@ class DiffWriter:
                 self._queue.put(_RECHECK)
                 self._room.wait()
             self._pending_steps += 1
-        self._queue.put(record)
+        self._queue.put((record, release))
 
     def _release(self, steps: int) -> None:
         with self._room:
@@ -114,24 +120,47 @@ class DiffWriter:
                 item.set()
                 continue
             if item is _RECHECK:
+                pending = self._without_covered(pending)
                 if pending and len(pending) >= self.controller.batch_steps:
                     self._write(pending)
                     pending = []
                 continue
+            record, release = item
             try:
                 if self._errors.error is None:
-                    encoded = self._encode(item)
-                    pending.append((item.step, encoded))
+                    encoded = self._encode(record)
+                    pending.append((record.step, encoded))
                     self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
             except BaseException as exc:
                 self._errors.error = exc
+            finally:
+                if release is not None:
+                    release()
+            pending = self._without_covered(pending)
             if len(pending) >= self.controller.batch_steps:
                 self._write(pending)
                 pending = []
             elif self._errors.error is not None:
                 self._release(1)
 
+    def _without_covered(self, pending: list) -> list:
+        """``pending`` without the records a committed full checkpoint of this session holds (with
+        ``drop_covered``). Records are consecutive, so the covered ones are a prefix and the rest
+        continue that checkpoint."""
+        if not self._drop_covered or not pending:
+            return pending
+        covered = self.store.newest_full_step()
+        dropped = 0
+        while dropped < len(pending) and pending[dropped][0] <= covered:
+            dropped += 1
+        if not dropped:
+            return pending
+        self.steps_dropped += dropped
+        self._release(dropped)
+        return pending[dropped:]
+
     def _write(self, pending: list) -> None:
+        pending = self._without_covered(pending)
         try:
             if pending and self._errors.error is None:
                 started = time.perf_counter()

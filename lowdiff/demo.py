@@ -159,7 +159,9 @@ def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="t
         if digests is not None:
             digests.write(f"{step + 1} {digest}\n")
             digests.flush()
-        log(f"step {step + 1} loss {loss.item():.4f}")
+        # What the trainer reports durable (committed) after this step: a kill may lose nothing up to it.
+        durable = f" durable {opt.durable_step}" if directory is not None else ""
+        log(f"step {step + 1} loss {loss.item():.4f}{durable}")
     if directory is not None:
         opt.close()
     return out

@@ -4,9 +4,11 @@ finished accumulating it, so the copies overlap the rest of backward instead of 
 
 Staging is a small pool of gradient sets (one tensor per parameter each). The training thread fills
 the *current* set during backward; ``take()`` at ``step()`` hands it over (to the replica worker,
-which gives it back when it has applied the step) and ``acquire()`` gets the next one, blocking
-while every set is in flight: that wait is the backpressure that bounds memory (``sets`` steps
-captured and not yet applied, at most; with one set, each step waits for the previous one).
+which gives it back when it has applied the step, and to the differential writer, which gives it
+back when it has encoded the step's record: the set is free when both have) and ``acquire()``
+gets the next one, blocking while every set is in flight: that wait is the backpressure that
+bounds memory (``sets`` steps captured and not yet applied, at most; with one set, each step
+waits for the previous one).
 
 Exactness: the record must be exactly the tensor the optimizer consumes. Autograd accumulation
 bumps a gradient's version counter, and so does anything done to it after backward (clipping,
@@ -35,10 +37,12 @@ class GradientSet:
         self.values = [torch.empty(p.numel(), dtype=p.dtype, device="cpu", pin_memory=pinned) for p in params]
         self.stamps: list[tuple | None] = [None] * len(params)
         self.copied: torch.cuda.Event | None = None   # CUDA: recorded on the side stream after the last copy
+        self.users = 1    # readers that have not given it back yet (the replica worker, the diff writer)
 
     def reset(self) -> None:
         self.stamps = [None] * len(self.stamps)
         self.copied = None
+        self.users = 1
 
 
 class GradientStaging:
@@ -136,7 +140,11 @@ class GradientStaging:
         return gset
 
     def give_back(self, gset: GradientSet) -> None:
+        """One of the set's ``users`` is done with it; the last one frees it."""
         with self._room:
+            gset.users -= 1
+            if gset.users > 0:
+                return
             self._free.append(gset)
             self._room.notify_all()
 

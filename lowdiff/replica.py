@@ -2,15 +2,21 @@
 optimizer on the CPU, applies every captured step to it (the same optimizer class, hyper-parameters
 and gradient, through lowdiff.apply, as recovery does), and persists it now and then as an ordinary
 full checkpoint, carrying the boundary objects (RNG, buffers, scheduler, extra_state) of the step
-it holds. Training never copies its own state for a checkpoint, and no differential is written:
-the newest persisted replica is the newest durable step.
+it holds. Training never copies its own state for a checkpoint.
+
+Every step's record also goes to the session's differential writer, as in differential mode, so
+a crash loses no more than there: a record that a committed replica checkpoint already holds is
+dropped before its batch is written (lowdiff.background.DiffWriter, ``drop_covered``), so
+differentials reach the disk only for the steps since the newest persisted replica. Resume = the
+newest replica checkpoint plus the batches after it, through recovery.resume as in any directory.
 
 Flow of one step (training thread, from LowDiffOptimizer): ``gradients()`` before the optimizer
 step (the staged gradients, see lowdiff.gradhooks), ``submit(record)`` at the iteration boundary
-(the record is handed to the worker with its gradient set; then the next set is acquired, which
-waits while ``inflight_steps`` steps are not applied yet). ``check()`` first in every step,
-``flush()``/``close()`` at the end. Durability: a step is durable once a replica checkpoint at or
-after it is committed; ``flush()`` applies and persists everything submitted.
+(the record is handed to the differential writer and to the worker with its gradient set; then the
+next set is acquired, which waits while ``inflight_steps`` steps are not applied yet). ``check()``
+first in every step, ``flush()``/``close()`` at the end. Durability is the differential writer's
+(``flush()`` here only lets the worker catch up); ``close()`` persists the newest step as a
+replica checkpoint, so a closed run resumes without replay.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ class _Step:
 @dataclasses.dataclass
 class _Flush:
     done: threading.Event
-    persist: bool                  # persist the newest applied step (flush) or only drain (resync)
+    persist: bool                  # persist the newest applied step (close) or only drain (flush, resync)
 
 
 def build_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list):
@@ -66,8 +72,10 @@ def build_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, para
 class Replica:
     """The replica of one wrapped optimizer and its worker (see the module docstring)."""
 
-    def __init__(self, capture: StepCapture, store, config, inflight_steps: int, engine=None):
+    def __init__(self, capture: StepCapture, store, config, inflight_steps: int, diffs, engine=None):
+        """``diffs``: the session's DiffWriter (with ``drop_covered``), which records every step."""
         self.training = capture
+        self.diffs = diffs
         self.full_every = int(config.full_every)
         self.inflight_steps = inflight_steps
         self.staging = GradientStaging(capture.params, sets=inflight_steps)
@@ -114,8 +122,15 @@ class Replica:
         (both may wait: backpressure)."""
         gset, self._taken = self._taken, None
         if self._resync_due:
+            # The state changed outside the records: a chain of differentials through this step
+            # would replay a state this run never had. End it before this step; the next batch
+            # starts after the adopted (persisted) state.
+            self.diffs.seal()
             self._resync(record, gset)
         else:
+            if gset is not None:
+                gset.users = 2     # the differential writer and the worker
+            self.diffs.put(record, release=None if gset is None else lambda: self.staging.give_back(gset))
             self._put(_Step(record, gset))
         self.submitted_step = record.step
         self.max_inflight_seen = max(self.max_inflight_seen, self.staging.in_flight())
@@ -167,12 +182,13 @@ class Replica:
         self.fulls.check()
 
     def flush(self) -> None:
-        """Block until every submitted step is applied and the newest one is persisted."""
-        self._drain(persist=True)
+        """Block until every submitted step is applied (the differential writer makes them durable)."""
+        self._drain(persist=False)
         self.check()
 
     def close(self) -> None:
-        """``flush``, then stop the worker and the writer and remove the hooks."""
+        """Apply every submitted step and persist the newest one, then stop the worker and the
+        writer and remove the hooks."""
         try:
             self._drain(persist=True)
             if self._thread is not None:
@@ -194,7 +210,8 @@ class Replica:
                 "max_inflight_steps": self.max_inflight_seen,
                 "training_waits": staging.waits + self.counts["queue_waits"],
                 "training_wait_s": staging.wait_s + self._queue_wait_s,
-                "hook_copies": staging.hook_copies, "step_copies": staging.step_copies, **self.counts}
+                "hook_copies": staging.hook_copies, "step_copies": staging.step_copies,
+                "diff_steps_dropped": self.diffs.steps_dropped, **self.counts}
 
     # ------------------------------------------------------------ worker thread
     def _run(self) -> None:

@@ -43,8 +43,9 @@ class CheckpointSession:
             partition.join(self.store)
         self.partition = partition
         self.directory = self.store.directory
+        # Replica mode: a persisted replica holds the steps before it, their records need no batch.
         self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine,
-                                batch_format=partition)
+                                batch_format=partition, drop_covered=config.replica)
         self.fulls = FullWriter(self.store, self.controller, engine,
                                 snapshot=None if partition is None else partition.snapshot())
         self.closed = False

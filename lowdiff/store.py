@@ -98,6 +98,11 @@ class CheckpointStore:
         with self._mutex:
             return self.manifest.durable_step()
 
+    def newest_full_step(self) -> int:
+        """The step of the newest full checkpoint this session committed (-1: none yet)."""
+        with self._mutex:
+            return max((f.step for f in self.manifest.fulls if f.session == self.session), default=-1)
+
     def latest_step(self) -> int:
         """The newest step any committed entry mentions (-1 for an empty directory)."""
         with self._mutex:

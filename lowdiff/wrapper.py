@@ -106,9 +106,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # RNG, sampler and residuals, into its rank directory (lowdiff.partition).
         partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
         self._session = CheckpointSession(directory, self.config, engine, partition=partition)
-        # Replica mode (LowDiff+): a background replica is persisted instead of differentials.
+        # Replica mode (LowDiff+): a background replica persisted as full checkpoints; differentials
+        # only for the steps since the newest persisted replica.
         self._replica = Replica(self._capture, self._session.store, self.config, replica_inflight_steps,
-                                engine) if replica else None
+                                self._session.diffs, engine) if replica else None
         self.step_count = 0
         self._capture.capture_base_boundary()
         self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})
@@ -254,7 +255,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         try:
             record = capture.record(self.step_count, skipped, grads, groups_used)
             if self._replica is not None:
-                self._replica.submit(record)   # applied, then persisted as a full checkpoint, in the background
+                self._replica.submit(record)   # a differential, and applied to the replica in the background
             else:
                 session.diffs.put(record)
             recorded = True

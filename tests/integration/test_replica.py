@@ -2,6 +2,7 @@
 persisted as ordinary full checkpoints, resumed through recovery.resume — exactly."""
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -12,6 +13,7 @@ import lowdiff
 import recovery
 from lowdiff import replica as replica_module
 from lowdiff.demo import batch, state_digest
+from lowdiff.manifest import read_manifest
 from lowdiff_helpers import build
 
 HANG_GUARD_S = 60   # only against hangs; nothing is timed
@@ -69,7 +71,7 @@ def test_replica_is_training_state_byte_for_byte(tmp_path, clip):
     opt.flush()
     assert_replica_is_training(opt)
     stats = opt.stats()["replica"]
-    assert stats["applied_step"] == stats["persisted_step"] == 12 and stats["lag_steps"] == 0
+    assert stats["applied_step"] == opt.durable_step == 12 and stats["lag_steps"] == 0
     n_params = len(list(model.parameters()))
     if clip:   # clipping changed every gradient after backward: step() re-copied them all
         assert stats["step_copies"] == 12 * n_params and stats["hook_copies"] == 0
@@ -100,9 +102,10 @@ def test_gradient_accumulation_records_the_final_gradient(tmp_path):
 
 
 def test_resume_from_replica_checkpoint_is_exact(tmp_path):
-    """Every persisted replica carries the boundary objects of its own step: resuming at it gives
-    the state training had after that step (model, optimizer, scheduler, sampler, RNG), and
-    training on from there gives the uninterrupted run's states."""
+    """Every persisted replica carries the boundary objects of its own step: resuming at it (plus
+    the differentials after it, at a flushed step) gives the state training had after that step
+    (model, optimizer, scheduler, sampler, RNG), and training on from there gives the
+    uninterrupted run's states. After close() the newest step is a replica: nothing to replay."""
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
     opt = wrap_replica(directory, model, opt, sched, sampler, full_every=4, keep_full=6)
@@ -117,13 +120,55 @@ def test_resume_from_replica_checkpoint_is_exact(tmp_path):
         model2, opt2, sched2, sampler2 = build()
         opt2 = wrap_replica(directory, model2, opt2, sched2, sampler2, full_every=4, keep_full=6)
         resumed = recovery.resume(directory, model2, opt2, step=step)
-        assert resumed == step and resumed.replayed == 0, "a replica checkpoint at the step, no differential"
+        assert resumed == step
+        if step == 20:
+            assert resumed.replayed == 0, "close() persisted the replica of the last step"
         assert state_digest(model2, opt2, sched2, sampler2) == digests[step]
         if step == 14:
             continued: dict = dict.fromkeys(range(1, 15))
             train(opt2, model2, sampler2, 6, digests=continued, sched=sched2)
             assert [continued[s] for s in range(15, 21)] == [digests[s] for s in range(15, 21)]
         opt2.close()
+
+
+def test_differentials_hold_the_steps_no_replica_holds(tmp_path, monkeypatch):
+    """A replica that is never persisted after the base (as behind a disk slower than training):
+    every flushed step is still durable, through ordinary differential batches, and resuming a
+    copy of the directory taken then is exact."""
+    monkeypatch.setattr(replica_module.Replica, "_persist", lambda self, record: None)
+    directory, copy = tmp_path / "ckpt", tmp_path / "copy"
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(directory, model, opt, sched, sampler, batch_steps=4)
+    digests: dict = {}
+    train(opt, model, sampler, 10, digests=digests, sched=sched)
+    opt.flush()
+    assert opt.durable_step == 10
+    shutil.copytree(directory, copy, ignore=shutil.ignore_patterns("LOCK"))
+    opt.close()
+    manifest = read_manifest(copy)
+    assert [f.step for f in manifest.fulls] == [0]
+    assert [(b.first, b.last) for b in manifest.batches] == [(1, 4), (5, 8), (9, 10)]
+
+    model2, opt2, sched2, sampler2 = build()
+    opt2 = wrap_replica(copy, model2, opt2, sched2, sampler2)
+    resumed = recovery.resume(copy, model2, opt2)
+    assert resumed == 10 and resumed.replayed == 10
+    assert state_digest(model2, opt2, sched2, sampler2) == digests[10]
+    opt2.close()
+
+
+def test_records_a_persisted_replica_holds_are_not_written(tmp_path):
+    """Batches larger than the run: every record is still pending when close() persists the
+    replica of the last step, which holds them all, so no differential reaches the disk."""
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap_replica(directory, model, opt, sched, sampler, batch_steps=100, full_every=5)
+    train(opt, model, sampler, 12)
+    opt.close()
+    manifest = read_manifest(directory)
+    assert manifest.batches == [] and max(f.step for f in manifest.fulls) == 12
+    assert not list(directory.glob("*.ldd"))
+    assert opt._session.diffs.steps_dropped == 12
 
 
 def test_backpressure_bounds_steps_in_flight(tmp_path, monkeypatch):
@@ -190,7 +235,8 @@ def test_worker_error_surfaces_at_next_step(tmp_path, monkeypatch):
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="replica apply failed"):
         opt.close()
-    assert opt.durable_step < 3
+    # The replica failed; the records of the steps taken before are still on disk as differentials.
+    assert opt.durable_step == 3
 
 
 def test_replica_needs_dense_and_fixed_full_every(tmp_path):

@@ -1,6 +1,7 @@
 """Replica mode under SIGKILL: a real ``lowdiff.demo train --replica`` process is killed (at a random
 step, or by a fault point right after a replica checkpoint is committed), a new process resumes
-from the newest persisted replica, and every state from the resumed step to the end equals the
+from the newest persisted replica plus the differentials after it — at least at the newest step
+the killed process reported durable — and every state from the resumed step to the end equals the
 uninterrupted run's, byte for byte (digests of model, optimizer, scheduler, sampler and RNG)."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 30
 TIMEOUT_S = 240  # only against hangs; nothing is timed
 DIGEST_LINE = re.compile(r"^(\d+) ([0-9a-f]{64})$")
+DURABLE = re.compile(r"^step \d+ loss \S+ durable (-?\d+)$")
 CASES = {"adamw-clipped": ("adamw", []), "sgd-hooks": ("sgd", ["--no-clip"])}
 
 
@@ -31,7 +33,7 @@ def start(mode, tmp_path, name, optimizer, extra, directory=None, fault=None):
             "--steps", str(STEPS), "--optimizer", optimizer, "--compressor", "dense", *extra,
             "--digests", str(tmp_path / f"{name}.digests")]
     if mode == "train":
-        args += ["--replica", "--full-every", "3"]
+        args += ["--replica", "--full-every", "3", "--batch-steps", "2"]
     stderr = open(tmp_path / f"{name}.err", "w")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
     return proc, stderr
@@ -58,6 +60,12 @@ def digests(path: Path) -> dict:
     return out
 
 
+def reported_durable(lines: list[str]) -> int:
+    """The newest durable step the trainer printed (``step N loss L durable D``), 0 if none."""
+    found = [int(m.group(1)) for m in map(DURABLE.search, lines) if m]
+    return max(found, default=0)
+
+
 def resumed_at(lines: list[str]) -> tuple[int, str | None]:
     for line in lines:
         if line.startswith("resumed at step "):
@@ -76,17 +84,22 @@ def test_replica_sigkill_then_resume_is_exact(tmp_path, rng, capsys, case, how):
         # SIGKILL right after the 4th full checkpoint file is committed (the base is the 1st),
         # before the manifest lists it.
         first, first_err = start("train", tmp_path, "first", optimizer, extra, directory, fault="full-commit:4")
-        code, _ = finish(first, first_err)
+        code, first_lines = finish(first, first_err)
         assert code == -signal.SIGKILL, (tmp_path / "first.err").read_text()
     else:
         kill_at = int(rng.integers(8, STEPS - 3))
         first, first_err = start("train", tmp_path, "first", optimizer, extra, directory)
+        first_lines = []
         for line in first.stdout:
+            first_lines.append(line.rstrip("\n"))
             if line.startswith(f"step {kill_at} "):
                 break
         os.kill(first.pid, signal.SIGKILL)
-        code, _ = finish(first, first_err)
+        code, rest = finish(first, first_err)
         assert code == -signal.SIGKILL
+        first_lines += rest
+    durable = reported_durable(first_lines)
+    assert durable > 0, first_lines[-3:]
 
     second, second_err = start("train", tmp_path, "second", optimizer, extra, directory)
     code, lines = finish(second, second_err)
@@ -99,7 +112,7 @@ def test_replica_sigkill_then_resume_is_exact(tmp_path, rng, capsys, case, how):
     killed = digests(tmp_path / "first.digests")
     assert all(expected[s] == d for s, d in killed.items()), "replica mode changed the training it checkpoints"
     step, digest = resumed_at(lines)
-    assert 0 < step <= max(killed) + 1, f"resumed at {step}, killed after {max(killed)}"
+    assert durable <= step <= max(killed) + 1, f"resumed at {step}, killed after {max(killed)}, durable {durable}"
     assert digest == expected[step], f"state after resuming at step {step} differs from the reference"
     after = digests(tmp_path / "second.digests")
     assert sorted(after) == list(range(step + 1, STEPS + 1))
