@@ -39,5 +39,5 @@ setup(
     install_requires=["torch>=2.2,<2.14", "numpy", "zstandard>=0.20"],
     # Frameworks for lowdiff.integrations (their tests skip without them); none of them pulls a torch.
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
-                    "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2"]},
+                    "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2", "torchdata>=0.8"]},
 )
