@@ -221,6 +221,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             if replica is not None:
                 replica.step_failed(False)
             capture.mark_state()
+            self._schedulers.step_finished()    # a scheduler that raised in step() moved: not the loop's doing
             raise
         self._pending = (skipped, grads, groups_used, capture_started, optimizer_s)
         try:
@@ -276,6 +277,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             session.step_failed(recorded)
             if self._replica is not None:
                 self._replica.step_failed(recorded)
+            self._schedulers.step_finished()    # what was stepped before the failure is not stepped again
             raise
 
     # ------------------------------------------------------------ resume support
