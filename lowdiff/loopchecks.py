@@ -68,8 +68,16 @@ def warn_unsaved_scheduler(optimizer, scheduler, extra_state) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
+def _position(scheduler):
+    """How far a scheduler has stepped: its ``last_epoch``, or for one that only steps others
+    (``ChainedScheduler`` has no ``last_epoch`` of its own) the positions of those."""
+    if hasattr(scheduler, "last_epoch"):
+        return scheduler.last_epoch
+    return tuple(_position(inner) for inner in getattr(scheduler, "_schedulers", ()))
+
+
 class SchedulerWatch:
-    """Sees schedulers stepped between ``opt.step()`` calls (by their ``last_epoch``)."""
+    """Sees schedulers stepped between ``opt.step()`` calls (by their position, see _position)."""
 
     def __init__(self, scheduler, extra_state: dict):
         self.watched = {"scheduler": scheduler} if scheduler is not None else {}
@@ -81,11 +89,12 @@ class SchedulerWatch:
     def step_finished(self) -> None:
         """At the end of ``opt.step()``, after lowdiff stepped its scheduler and captured state."""
         for name, obj in self.watched.items():
-            self.seen[name] = obj.last_epoch
+            self.seen[name] = _position(obj)
 
     def step_starting(self) -> None:
         for name, obj in self.watched.items():
-            if name in self.warned or self.seen.get(name, obj.last_epoch) == obj.last_epoch:
+            position = _position(obj)
+            if name in self.warned or self.seen.get(name, position) == position:
                 continue
             self.warned.add(name)
             if name == "scheduler":
