@@ -113,6 +113,8 @@ def test_next_epoch_names_the_epoch_a_loop_continues(tmp_path):
     assert again.next_epoch == 0 and again.epoch == 0 and again.position == 3
     assert [b[2].tolist() for b in again] == [b[2].tolist() for b in batches]
     assert again.next_epoch == 1
+    # later epochs follow from the saved seed, not the one the new loader was made with
+    assert [b[2].tolist() for b in again] == [b[2].tolist() for b in loader]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
