@@ -50,7 +50,7 @@ def _note_live_trainer(directory: str) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     directory = _checkpoint_directory(args.directory)
     if is_partitioned(directory):
-        print("\n".join(shareinspect.describe(directory)))
+        print("\n".join(shareinspect.describe(directory, _warn)))
         return 0
     _inspect_directory(directory)
     shared = args.shared or tierinspect.shared_dir_of(directory, _warn)

@@ -53,6 +53,16 @@ def check_preamble(path: str, data: bytes, kind: int) -> None:
                                            f"expected a {KIND_NAMES[kind]}")
 
 
+def file_kind(path: str) -> int | None:
+    """The kind a lowdiff file's preamble names (None: too short or not a lowdiff file)."""
+    with open(path, "rb") as f:
+        data = f.read(PREAMBLE.size)
+    if len(data) < PREAMBLE.size:
+        return None
+    magic, _, kind = PREAMBLE.unpack(data)
+    return kind if magic == MAGIC else None
+
+
 def check_version(path: str) -> None:
     """Raise VersionMismatchError if ``path`` is a lowdiff file of another format version (reads
     only its preamble; anything else wrong is left to the full check)."""

@@ -27,9 +27,10 @@ from .format import FullIndex
 from .manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest
 
 # Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND", for checkpoint files, the
-# manifest and the tier marker) and by lowdiff before the manifest went through fastio
-# ("MANIFEST.json.tmp-PID").
-TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json|TIERS\.json)\.tmp-(\d+)-[0-9a-f]+$"
+# manifest, the tier marker and the controller's measurements) and by lowdiff before the manifest
+# went through fastio ("MANIFEST.json.tmp-PID").
+TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json|TIERS\.json|CONTROLLER\.json)"
+                     r"\.tmp-(\d+)-[0-9a-f]+$"
                      r"|^MANIFEST\.json\.tmp-(\d+)$")
 _READ_ATTEMPTS = 5
 
@@ -210,10 +211,11 @@ def _describe(path: str, name: str, nbytes: int):
     its name disagrees with its index. A batch whose index is damaged is described by the records
     its scan finds (the valid prefix of a torn file); entry is None when there are none."""
     from .batchfile import BatchReader
-    from .fullckpt import read_full_index
 
+    if _is_share_file(path):
+        return _describe_share(path, name, nbytes)
     if m := FULL_RE.match(name):
-        index = read_full_index(path)
+        index = _read_full_index(path)
         entry = FullEntry(index.step, name, nbytes, m.group(2))
         check_entry(path, entry, index, nbytes, None)
         return entry, index.run
@@ -231,6 +233,47 @@ def _describe(path: str, name: str, nbytes: int):
     return batch, None if index is None else index.run
 
 
+def _is_share_file(path: str) -> bool:
+    """Whether ``path`` is a share file in a rank directory of a partitioned directory (only there
+    are shares checkpoint files; anywhere else one is a file of the wrong kind)."""
+    from .partition import RANK_DIR_RE
+
+    return bool(RANK_DIR_RE.match(os.path.basename(os.path.dirname(os.path.abspath(path))))) and \
+        container.file_kind(path) in (container.KIND_FULL_SHARE, container.KIND_DIFF_SHARE)
+
+
+def _describe_share(path: str, name: str, nbytes: int):
+    """(entry, run) of a share file from its index (docs/format.md, "Partitioned directories"). A
+    differential share whose index does not verify is not described by a scan, unlike a batch: the
+    index alone says which parameters the share holds, so its records cannot be used without it."""
+    from .sharefile import read_share_index
+
+    index = read_share_index(path)
+    m = FULL_RE.match(name)
+    if bool(m) != hasattr(index, "step"):
+        raise CorruptCheckpointError(path, f"its name says {'full' if m else 'differential'} checkpoint share, "
+                                           f"its preamble says otherwise")
+    entry: FullEntry | BatchEntry
+    if m:
+        entry = FullEntry(index.step, name, nbytes, m.group(2))
+    else:
+        m = DIFF_RE.match(name)
+        assert m is not None, f"{name!r} is not a checkpoint file name"  # callers describe only those
+        entry = BatchEntry(index.first, index.last, name, nbytes, m.group(3))
+    check_entry(path, entry, index, nbytes, None)
+    return entry, index.run
+
+
+def _read_full_index(path: str):
+    """The index of a full checkpoint, or of a full-checkpoint share in a rank directory."""
+    from .fullckpt import read_full_index
+
+    if _is_share_file(path):
+        from .sharefile import read_share_index
+        return read_share_index(path)
+    return read_full_index(path)
+
+
 def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
     """Raise CorruptCheckpointError unless the file at ``path`` (``nbytes`` long, its ``index``:
     FullIndex, BatchIndex, or None when unreadable) is what ``entry`` says: size, kind, steps,
@@ -240,7 +283,8 @@ def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
         problems.append(f"it is {nbytes} bytes, the manifest says {entry.nbytes}")
     if index is not None:
         full = isinstance(entry, FullEntry)
-        if full != isinstance(index, FullIndex):
+        # (a full-checkpoint share's index is not a FullIndex but has its ``step`` too)
+        if full != (isinstance(index, FullIndex) or hasattr(index, "step")):
             problems.append(f"it is a {'full checkpoint' if not full else 'differential batch'}, the manifest "
                             f"lists a {'full checkpoint' if full else 'differential batch'}")
         steps = {"step": entry.step} if full else {"first": entry.first, "last": entry.last}
@@ -258,11 +302,9 @@ def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
 def _newest_run(directory: str, full_names: list) -> str | None:
     """The run of the newest full checkpoint among ``full_names`` that verifies (None if unknown):
     without a manifest, the run a directory continues is the one its newest state belongs to."""
-    from .fullckpt import read_full_index
-
     for name in sorted(full_names, key=_step_order, reverse=True):
         try:
-            return read_full_index(os.path.join(directory, name)).run
+            return _read_full_index(os.path.join(directory, name)).run
         except (CorruptCheckpointError, VersionMismatchError, OSError, EOFError):
             continue
     return None

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 
 import fastio
 
 from .compress import Compressed
 from .errors import CheckpointError
-from .manifest import FullEntry, Manifest, read_manifest
+from .inventory import Inventory, take_inventory
+from .manifest import FullEntry, Manifest, plan_chain, read_manifest
 from .records import StepRecord, encode_record
 from .sharefile import read_full_share_index, write_diff_share
 
@@ -68,21 +70,94 @@ def is_shared_key(key: str, param_aliases: dict) -> bool:
     return key.startswith("/model/") and key[len("/model/"):] in param_aliases
 
 
-def complete_fulls(root, manifests: dict[int, Manifest | None], count_of) -> set:
-    """(step, session) of the full checkpoints whose every share is listed in its rank's manifest.
-    ``count_of(entry)`` gives the number of shares of ``entry``'s set (None: unknown)."""
-    complete = set()
-    listed = {rank: {(f.step, f.session) for f in m.fulls} for rank, m in manifests.items() if m is not None}
-    for rank, names in listed.items():
-        for step, session in names:
-            count = count_of(rank, step, session)
-            if count and all((step, session) in listed.get(i, ()) for i in range(count)):
-                complete.add((step, session))
-    return complete
+@dataclasses.dataclass(frozen=True)
+class ShareSet:
+    """One full checkpoint of a partitioned directory as its rank directories list it."""
+
+    step: int
+    session: str
+    count: int | None         # shares in the set, from a share's index (None: no share is readable)
+    ranks: frozenset          # the rank directories that list a share of it
+
+    @property
+    def complete(self) -> bool:
+        """Every share is listed (committed) in its rank's directory."""
+        return self.count is not None and all(i in self.ranks for i in range(self.count))
+
+    def reach(self, manifests: dict) -> int:
+        """The newest step every share's chain of differentials (batches of the set's session
+        continuing its step) reaches, by the manifests; the set's own step if a share has none."""
+        ends = []
+        for i in range(self.count or 0):
+            chain = session_chain(manifests.get(i) or Manifest(), self.step, self.session)
+            ends.append(chain[-1].last if chain else self.step)
+        return min(ends, default=self.step)
+
+
+def session_chain(manifest: Manifest, base_step: int, session: str) -> list:
+    """The batches of ``session`` continuing ``base_step`` contiguously (a set's chain in one share)."""
+    return plan_chain(Manifest(batches=[b for b in manifest.batches if b.session == session]), base_step)
+
+
+def share_count(root, rank: int, entry: FullEntry) -> int | None:
+    """The number of shares of ``entry``'s set, read from the index of ``rank``'s share (None: it
+    does not verify)."""
+    path = os.path.join(rank_directory(root, rank), entry.file)
+    try:
+        with fastio.Reader(path) as reader:
+            return read_full_share_index(path, reader).count
+    except (CheckpointError, OSError, EOFError):
+        return None
+
+
+def full_sets(root, manifests: Mapping[int, Manifest | None], count_of=None) -> list[ShareSet]:
+    """Every full checkpoint any rank directory lists, as a ShareSet, oldest first. A set's share
+    count is ``count_of(step, session)`` when that gives one, else read from the first listed
+    share whose index verifies."""
+    listed: dict = {}
+    for rank, manifest in manifests.items():
+        for full in (manifest.fulls if manifest is not None else ()):
+            listed.setdefault((full.step, full.session), {})[rank] = full
+    out = []
+    for (step, session), shares in sorted(listed.items()):
+        count = count_of(step, session) if count_of is not None else None
+        for rank in sorted(shares):
+            if count is not None:
+                break
+            count = share_count(root, rank, shares[rank])
+        out.append(ShareSet(step, session, count, frozenset(shares)))
+    return out
+
+
+def durable_step(manifests: dict, sets: list) -> int:
+    """The newest step a resume reaches by the manifests: the furthest any complete set's every
+    share reaches (-1: no complete set)."""
+    return max((s.reach(manifests) for s in sets if s.complete), default=-1)
+
+
+def retained_ranges(manifests: dict, sets: list) -> list:
+    """[(first, last)] steps the complete sets reach, merged (time travel goes to any of them)."""
+    merged: list = []
+    for first, last in sorted((s.step, s.reach(manifests)) for s in sets if s.complete):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return merged
+
+
+def describe_ranges(ranges: list, sets: list) -> str:
+    """The retained steps of a partitioned directory, for error messages."""
+    if not ranges:
+        return "it retains no step (no complete full-checkpoint set)"
+    steps = ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in ranges)
+    return f"retained steps: {steps} (complete full-checkpoint sets at steps " \
+           f"{', '.join(str(s.step) for s in sets if s.complete)})"
 
 
 def read_manifests(root, ranks) -> dict[int, Manifest | None]:
-    """The committed manifest of each rank directory (None: missing or damaged)."""
+    """The committed manifest of each rank directory (None: missing or damaged). What a live
+    trainer's retention decides by: a share counts only once its rank committed it."""
     out: dict[int, Manifest | None] = {}
     for rank in ranks:
         try:
@@ -90,6 +165,16 @@ def read_manifests(root, ranks) -> dict[int, Manifest | None]:
         except (CheckpointError, OSError):
             out[rank] = None
     return out
+
+
+def read_views(root, ranks=None, **options) -> dict[int, Inventory]:
+    """The reconciled view of each rank directory (lowdiff.inventory): what readers (resume,
+    verify, inspect) use. A rank's missing or damaged manifest is rebuilt from its share files,
+    which describe themselves, so the durable shares it listed are still found (the inventory's
+    notes say what was rebuilt). Raises what take_inventory raises for a foreign manifest, a file
+    of another version or a directory that never holds still (``options``: take_inventory's)."""
+    ranks = sorted(rank_directories(root)) if ranks is None else ranks
+    return {rank: take_inventory(rank_directory(root, rank), **options) for rank in ranks}
 
 
 def partition_for(root, rank: int, world: int, params: list) -> Partition | None:
@@ -110,6 +195,7 @@ class Partition:
     world: int
     owned: list = dataclasses.field(default_factory=list)   # slots of each share, see assign_slots
     session: str | None = None                              # the set's session, from join()
+    _counts: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def directory(self) -> str:
@@ -141,23 +227,32 @@ class Partition:
 
     # ------------------------------------------------------------ retention
     def complete(self, fulls: list[FullEntry]) -> set:
-        """(step, session) among this rank's ``fulls`` whose set is complete: every share of it is
-        listed in its rank's committed manifest (read from the rank directories; no collective).
-        A set of this session has ``world`` shares; an earlier session's, as many as its file says."""
-        ranks = sorted(set(range(self.world)) | set(rank_directories(self.root)))
-        manifests = read_manifests(self.root, ranks)
-        counts = {(f.step, f.session): self.world if f.session == self.session else self._count_in_file(f)
-                  for f in fulls}
-        return complete_fulls(self.root, manifests, lambda rank, step, session: counts.get((step, session))
-                              if rank == self.rank else None)
+        """(step, session) among this rank's ``fulls`` (the manifest about to be committed) whose
+        set is complete: every other share of it is listed in its rank's committed manifest (read
+        from the rank directories; no collective). A set of this session has ``world`` shares; an
+        earlier session's, as many as its shares' index says."""
+        manifests = self._manifests(Manifest(fulls=list(fulls)))
+        mine = {(f.step, f.session) for f in fulls}
+        return {(s.step, s.session) for s in self._sets(manifests) if s.complete and (s.step, s.session) in mine}
 
-    def _count_in_file(self, entry: FullEntry) -> int | None:
-        path = os.path.join(self.directory, entry.file)
-        try:
-            with fastio.Reader(path) as reader:
-                return read_full_share_index(path, reader).count
-        except (CheckpointError, OSError, EOFError):
-            return None
+    def durable_step(self, own: Manifest) -> int:
+        """The newest step every share is durable at (what a resume reaches now), with ``own`` as
+        this rank's manifest and the other ranks' committed ones."""
+        manifests = self._manifests(own)
+        return durable_step(manifests, self._sets(manifests))
+
+    def _manifests(self, own: Manifest) -> dict:
+        others = sorted((set(range(self.world)) | set(rank_directories(self.root))) - {self.rank})
+        return {**read_manifests(self.root, others), self.rank: own}
+
+    def _sets(self, manifests: dict) -> list:
+        """full_sets of ``manifests``: a set of this session has ``world`` shares; an earlier
+        session's count is read from a share once and remembered (files do not change)."""
+        sets = full_sets(self.root, manifests,
+                         lambda step, session: self.world if session == self.session else
+                         self._counts.get((step, session)))
+        self._counts.update({(s.step, s.session): s.count for s in sets if s.count is not None})
+        return sets
 
     # ------------------------------------------------------------ differential shares
     def encode(self, record: StepRecord) -> list:

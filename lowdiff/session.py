@@ -11,6 +11,7 @@ from .background import DiffWriter, FullWriter
 from .controller import Controller
 from .drainer import open_tiers
 from .errors import CheckpointError
+from .shareretention import DroppedRanks
 from .store import CheckpointStore
 
 
@@ -42,6 +43,15 @@ class CheckpointSession:
             self.store = CheckpointStore(partition.directory, config.keep_full, complete=partition.complete)
             partition.join(self.store)
         self.partition = partition
+        self.dropped = None          # partitioned: rank directories of ranks that no longer exist
+        if partition is not None:
+            self.store.shares_durable = partition.durable_step
+            try:
+                self.dropped = DroppedRanks(partition, config.keep_full)
+            except BaseException:
+                self.close_store()
+                raise
+            self.dropped.attach(self.store)
         self.directory = self.store.directory
         # Replica mode: a persisted replica holds the steps before it, their records need no batch.
         self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine,
@@ -157,6 +167,8 @@ class CheckpointSession:
                 self.drainer.stop()
         finally:
             self.store.close()
+            if self.dropped is not None:
+                self.dropped.close()
 
     def stats(self, step: int, outside_changes: int) -> dict:
         """See LowDiffOptimizer.stats."""
@@ -166,4 +178,8 @@ class CheckpointSession:
                **self.controller.stats()}
         if self.drainer is not None:
             out["tiers"] = self.drainer.snapshot()
+        # What a resume reaches now; partitioned: every share of a complete set, and this rank's own.
+        out["durable_step"] = self.durable_step()
+        if self.partition is not None:
+            out["rank_durable_step"] = self.store.manifest.durable_step()
         return out

@@ -197,6 +197,22 @@ def write_diff_share(path: str, session: str, records: list, *, run: str | None,
                                      "slots": list(slots)})
 
 
+def read_diff_share_index(path: str) -> DiffShareIndex:
+    """The index of the differential share at ``path`` (read from the file; records not checked)."""
+    with fastio.Reader(path) as reader:
+        raw = container.read_index(path, reader.read, reader.size, container.KIND_DIFF_SHARE)
+        return DiffShareIndex.from_json(path, raw, reader.size - container.TRAILER.size)
+
+
+def read_share_index(path: str):
+    """The index of a share file of either kind, by the kind its preamble names: FullShareIndex,
+    or the BatchIndex of a differential share. Raises like the readers of each kind."""
+    if container.file_kind(path) == container.KIND_FULL_SHARE:
+        with fastio.Reader(path) as reader:
+            return read_full_share_index(path, reader)
+    return read_diff_share_index(path).batch
+
+
 def parse_diff_share(path: str, data) -> DiffShareIndex:
     """The index of a differential share held in memory (``data``: the whole file)."""
     view = memoryview(data)

@@ -7,7 +7,7 @@ import os
 import fastio
 
 from .errors import CheckpointError
-from .partition import rank_directories, read_manifests
+from .partition import describe_ranges, durable_step, full_sets, read_views, retained_ranges
 from .sharefile import read_full_share_index
 
 
@@ -20,34 +20,38 @@ def _share_count(path: str) -> str:
         return f"unreadable: {exc}"
 
 
-def describe(root: str) -> list[str]:
-    """Lines describing the partitioned directory ``root``."""
-    ranks = sorted(rank_directories(root))
-    manifests = read_manifests(root, ranks)
-    lines = [f"directory      {os.path.abspath(root)} (partitioned: {len(ranks)} rank directories)"]
-    sets: dict = {}
-    for rank, manifest in manifests.items():
-        if manifest is None:
-            lines.append(f"  rank-{rank:05d}: no readable MANIFEST.json")
-            continue
-        for full in manifest.fulls:
-            sets.setdefault((full.step, full.session), {})[rank] = full
+def describe(root: str, warn=None) -> list[str]:
+    """Lines describing the partitioned directory ``root``; ``warn(note)`` gets what reconciling
+    each rank directory found (a manifest rebuilt from the share files, files not used)."""
+    views = read_views(root, skip_other_versions=True)
+    manifests = {rank: inventory.manifest for rank, inventory in views.items()}
+    sets = full_sets(root, manifests)
+    lines = [f"directory      {os.path.abspath(root)} (partitioned: {len(views)} rank directories)",
+             f"durable step   {max(durable_step(manifests, sets), 0)} (every share of a complete set reaches it)",
+             f"retained       {describe_ranges(retained_ranges(manifests, sets), sets)}"]
+    for rank, inventory in views.items():
+        for note in inventory.notes:
+            if warn is not None:
+                warn(note)
+        if inventory.manifest.rebuilt and inventory.manifest.files():
+            lines.append(f"  rank-{rank:05d}: MANIFEST.json missing or damaged: the list below is rebuilt from "
+                         f"its {len(inventory.manifest.files())} share files")
     lines.append(f"full checkpoint sets ({len(sets)}):")
-    for (step, session), shares in sorted(sets.items()):
-        first = next(iter(shares.values()))
-        detail = _share_count(os.path.join(root, f"rank-{min(shares):05d}", first.file))
-        count = int(detail.split(" of ")[1].split(",")[0]) if detail.startswith("share") else None
-        complete = count is not None and all(i in shares for i in range(count))
+    for fset in sets:
+        shares = {rank: next(f for f in manifests[rank].fulls if (f.step, f.session) == (fset.step, fset.session))
+                  for rank in sorted(fset.ranks)}
         total = sum(f.nbytes for f in shares.values())
-        lines.append(f"  step {step:>8}  session {session}  {len(shares)} shares, {total} bytes  "
-                     f"{'complete' if complete else 'INCOMPLETE (not used)'}")
-        for rank, full in sorted(shares.items()):
+        state = f"complete, reaches step {fset.reach(manifests)}" if fset.complete else "INCOMPLETE (not used)"
+        lines.append(f"  step {fset.step:>8}  session {fset.session}  {len(shares)} shares, {total} bytes  {state}")
+        for rank, full in shares.items():
             lines.append(f"      rank-{rank:05d}/{full.file}  {full.nbytes} bytes  "
                          f"{_share_count(os.path.join(root, f'rank-{rank:05d}', full.file))}")
-    for rank, manifest in sorted(manifests.items()):
-        if manifest is not None and manifest.batches:
+    for rank, manifest in manifests.items():
+        if manifest.batches:
             steps = sum(b.last - b.first + 1 for b in manifest.batches)
             lines.append(f"  rank-{rank:05d}: {len(manifest.batches)} differential shares, steps "
                          f"{min(b.first for b in manifest.batches)}..{max(b.last for b in manifest.batches)} "
                          f"({steps} steps, {sum(b.nbytes for b in manifest.batches)} bytes)")
+        for name, why, _ in views[rank].ignored:
+            lines.append(f"  rank-{rank:05d}: not used: {name}: {why}")
     return lines

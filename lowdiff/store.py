@@ -40,6 +40,10 @@ class CheckpointStore:
         os.makedirs(self.directory, exist_ok=True)
         self.keep_full = keep_full
         self._complete = complete
+        # Partitioned directories (lowdiff.partition): the step every share is durable at, given
+        # this rank's manifest; and what runs after each commit (cleaning dropped ranks' shares).
+        self.shares_durable = None
+        self.after_commit: list = []
         self.session = secrets.token_hex(4)
         self._lock_fd = self._acquire_lock()
         self._mutex = threading.Lock()
@@ -95,8 +99,11 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ commits
     def durable_step(self) -> int:
+        """The newest step a resume reaches now; in a partitioned directory the step every share
+        of a complete set is durable at (``shares_durable``), not this rank's alone."""
         with self._mutex:
-            return self.manifest.durable_step()
+            manifest = self.manifest
+        return manifest.durable_step() if self.shares_durable is None else self.shares_durable(manifest)
 
     def newest_full_step(self) -> int:
         """The step of the newest full checkpoint this session committed (-1: none yet)."""
@@ -158,6 +165,16 @@ class CheckpointStore:
         for entry in retired:
             _unlink(os.path.join(self.directory, entry.file))
             faults.point(self.clean_point)
+        for hook in self.after_commit:
+            hook(manifest)
+
+    def keep_only(self, choose) -> None:
+        """Commit the manifest ``choose(manifest)`` returns (a subset of the entries) and then
+        delete what it no longer lists, like retention; nothing happens when it keeps everything."""
+        with self._mutex:
+            manifest = choose(self.manifest)
+            if manifest.files() != self.manifest.files():
+                self._commit(manifest)
 
 
 def _unlink(path: str) -> None:

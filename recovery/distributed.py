@@ -22,8 +22,7 @@ import fastio
 from lowdiff import tree
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from lowdiff.format import PAGE, FullIndex, FullState
-from lowdiff.manifest import Manifest, plan_chain
-from lowdiff.partition import rank_directories, rank_directory, read_manifests
+from lowdiff.partition import describe_ranges, full_sets, rank_directory, read_views, retained_ranges, session_chain
 from lowdiff.records import dtype_from_name
 from lowdiff.sharefile import read_full_share_index, read_own, read_share_bytes_into
 
@@ -35,60 +34,74 @@ from .sharechain import MergedShares, ShareFiles
 @dataclasses.dataclass(frozen=True)
 class FullSet:
     """A complete full set: share i is ``files[i]``; ``chains[i]`` the differential files of share
-    i continuing it (names in ``rank-i/``)."""
+    i continuing it (names in ``rank-i/``); ``reach`` the step all its chains reach by the manifests."""
     step: int
     session: str
     count: int
     files: tuple
     chains: tuple
+    reach: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What rank 0 found in the rank directories, sent to every rank."""
+    sets: list                 # FullSet at or before the asked step, newest first
+    newest: int                # the newest step any rank directory lists
+    ranges: list               # [(first, last)] steps the complete sets reach (time travel targets)
+    retained: str              # the same, in words, for errors
+
+
+def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
+    """The complete full sets of the partitioned directory ``root`` (at or before ``stop_step``),
+    from the reconciled view of every rank directory: a rank whose manifest is missing or damaged
+    has its list rebuilt from its share files (warned), so no durable share is lost with it.
+    ``views`` (lowdiff.partition.read_views): already taken, their notes reported by the caller."""
+    if views is None:   # (files of another format version block only the newest state, as in recovery.restore)
+        views = read_views(root, skip_other_versions=stop_step is not None)
+        for inventory in views.values():
+            for note in inventory.notes:
+                warn(f"lowdiff: {note}")
+    manifests = {rank: inventory.manifest for rank, inventory in views.items()}
+    newest = max([b.last for m in manifests.values() for b in m.batches] +
+                 [f.step for m in manifests.values() for f in m.fulls], default=-1)
+    every = full_sets(root, manifests)
+    sets = []
+    for fset in reversed(every):
+        if stop_step is not None and fset.step > stop_step:
+            continue
+        if fset.count is None:
+            warn(f"lowdiff: no share of the full checkpoint of step {fset.step} in {root} verifies; "
+                 f"falling back to an older set")
+            continue
+        if not fset.complete:
+            missing = [i for i in range(fset.count) if i not in fset.ranks]
+            warn(f"lowdiff: the full checkpoint of step {fset.step} is incomplete in {root}: shares {missing} of "
+                 f"{fset.count} are not committed (a rank died while writing?); falling back to an older set")
+            continue
+        entries = [next(f for f in manifests[i].fulls if (f.step, f.session) == (fset.step, fset.session))
+                   for i in range(fset.count)]
+        chains = tuple(tuple(b.file for b in session_chain(manifests[i], fset.step, fset.session))
+                       for i in range(fset.count))
+        files = tuple(os.path.join(rank_directory(root, i), e.file) for i, e in enumerate(entries))
+        sets.append(FullSet(fset.step, fset.session, fset.count, files, chains, fset.reach(manifests)))
+    ranges = retained_ranges(manifests, every)
+    return Plan(sets, newest, ranges, describe_ranges(ranges, every))
 
 
 def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
     """(complete full sets at or before ``stop_step``, newest first; the newest step any rank
     directory lists)."""
-    ranks = sorted(rank_directories(root))
-    manifests = read_manifests(root, ranks)
-    zero = manifests.get(0)
-    newest = max([b.last for m in manifests.values() if m for b in m.batches] +
-                 [f.step for m in manifests.values() if m for f in m.fulls], default=-1)
-    if zero is None:
-        return [], newest
-    sets = []
-    for full in sorted(zero.fulls, key=lambda f: f.step, reverse=True):
-        if stop_step is not None and full.step > stop_step:
-            continue
-        path = os.path.join(rank_directory(root, 0), full.file)
-        try:
-            with fastio.Reader(path) as reader:
-                count = read_full_share_index(path, reader).count
-        except (CheckpointError, OSError, EOFError) as exc:
-            warn(f"lowdiff: full-checkpoint share {path} does not verify ({exc}); falling back to an older set")
-            continue
-        entries = [next((f for f in m.fulls if (f.step, f.session) == (full.step, full.session)), None)
-                   if (m := manifests.get(i)) else None for i in range(count)]
-        if any(e is None for e in entries):
-            missing = [i for i, e in enumerate(entries) if e is None]
-            warn(f"lowdiff: the full checkpoint of step {full.step} is incomplete in {root}: shares {missing} of "
-                 f"{count} are not committed (a rank died while writing?); falling back to an older set")
-            continue
-        chains = tuple(tuple(b.file for b in _session_chain(manifests[i] or Manifest(), full.step, full.session))
-                       for i in range(count))
-        files = tuple(os.path.join(rank_directory(root, i), e.file) for i, e in enumerate(entries) if e is not None)
-        sets.append(FullSet(full.step, full.session, count, files, chains))
-    return sets, newest
+    found = plan(root, stop_step)
+    return found.sets, found.newest
 
 
-def _session_chain(manifest: Manifest, base_step: int, session: str) -> list:
-    """The batches of ``session`` continuing ``base_step`` contiguously."""
-    return plan_chain(Manifest(batches=[b for b in manifest.batches if b.session == session]), base_step)
-
-
-def _broadcast_plan(root: str, stop_step: int | None, world: int) -> tuple[list, int]:
+def _broadcast_plan(root: str, stop_step: int | None, world: int) -> Plan:
     if world == 1:
-        return plan_sets(root, stop_step)
-    plan: list = [plan_sets(root, stop_step) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(plan, src=0)
-    return plan[0]
+        return plan(root, stop_step)
+    found: list = [plan(root, stop_step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def _agree_problems(problems: dict, world: int) -> dict:
@@ -126,7 +139,7 @@ def _read_share(fset: FullSet, rank: int, world: int, own: int, staging, problem
     first = indexes[0]
     for i, index in indexes.items():
         if (index.step, index.session, index.run, index.count, index.layout) != \
-                (first.step, first.session, first.run, fset.count, first.layout):
+                (fset.step, fset.session, first.run, fset.count, first.layout):
             problems[i] = f"{fset.files[i]} is not a share of the same set as {fset.files[0]}"
     if problems:
         return indexes, None, None
@@ -277,9 +290,12 @@ def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimi
     set exists; whether this rank got its own per-rank state back). Callbacks as recovery.restore."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
-    sets, newest = _broadcast_plan(root, stop_step, world)
+    found = _broadcast_plan(root, stop_step, world)
+    if stop_step is not None and not any(first <= stop_step <= last for first, last in found.ranges):
+        raise NoCheckpointError(f"{root}: step {stop_step} is not retained; {found.retained}")
+    newest = found.newest
     skipped: list = []
-    for fset in sets:
+    for fset in found.sets:
         started = time.perf_counter()
         loaded = _load_set(fset, rank, world)
         if loaded is None:

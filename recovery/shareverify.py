@@ -6,96 +6,115 @@ Nothing is changed; no process group is needed.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 
 import fastio
-from lowdiff.errors import CheckpointError, CorruptCheckpointError
-from lowdiff.manifest import FullEntry
-from lowdiff.partition import rank_directories, read_manifests
+from lowdiff.errors import CorruptCheckpointError
+from lowdiff.inventory import check_entry
+from lowdiff.manifest import MANIFEST_NAME, FullEntry
+from lowdiff.partition import rank_directory, read_views
 from lowdiff.records import decode_record
 from lowdiff.sharefile import parse_diff_share, read_full_share_index, read_own, read_share_bytes_into
 
-from .distributed import plan_sets
+from .distributed import plan
 from .replay import default_workers
-from .verify import Problem, VerifyReport, checked
+from .verify import Problem, VerifyReport, _inventory_problems, _manifest_problems, checked
 
 
-def _check_full_share(path: str) -> None:
+def _check_full_share(path: str, entry: FullEntry, run) -> None:
     with fastio.Reader(path) as reader:
         index = read_full_share_index(path, reader)
+        check_entry(path, entry, index, reader.size, run)
         read_share_bytes_into(path, reader, index, bytearray(index.end - index.start))
         read_own(path, reader, index)
 
 
-def _check_diff_share(path: str, entry) -> int | None:
-    """The last step whose record verifies in order (raises on a damaged index)."""
+def _check_diff_share(path: str, entry, run):
+    """(Problem or None, the last step whose record verifies in order); raises on a damaged index
+    (without it the share's parameters are unknown: nothing of the file is usable)."""
     with open(path, "rb") as f:
         data = f.read()
     index = parse_diff_share(path, data)
+    check_entry(path, entry, index.batch, len(data), run)
     last = None
     for step, offset, nbytes in index.batch.records:
-        decode_record(memoryview(data)[offset:offset + nbytes], path, offset, expected_step=step)
+        try:
+            decode_record(memoryview(data)[offset:offset + nbytes], path, offset, expected_step=step)
+        except CorruptCheckpointError as exc:
+            return Problem(path, "CORRUPT", exc.problem), last
         last = step
-    if last != entry.last:
-        raise CorruptCheckpointError(path, f"holds steps {entry.first}..{last}, the manifest says "
-                                           f"{entry.first}..{entry.last}")
-    return last
+    return None, last
 
 
-def _check(path: str, entry):
+def _check(path: str, entry, run):
     """(Problem or None, last good step or None)."""
     def check():
         if isinstance(entry, FullEntry):
-            _check_full_share(path)
+            _check_full_share(path, entry, run)
             return None, entry.step
-        return None, _check_diff_share(path, entry)
+        return _check_diff_share(path, entry, run)
     return checked(path, check)
 
 
+def _rank_problems(directory: str, inventory) -> list:
+    """What is wrong with a rank directory's manifest and unlisted files (as recovery.verify says
+    it of a directory); a rebuilt list says how many share files it was rebuilt from."""
+    problems = _manifest_problems(directory) + _inventory_problems(directory, inventory)
+    if inventory.manifest.rebuilt:
+        found = f"; rebuilt from the share files: {len(inventory.manifest.files())} found and used"
+        problems = [dataclasses.replace(p, why=p.why + found) if os.path.basename(p.file) == MANIFEST_NAME else p
+                    for p in problems]
+    return problems
+
+
 def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
-    """Like ``recovery.verify`` for a partitioned directory; file names are ``rank-NNNNN/NAME``."""
+    """Like ``recovery.verify`` for a partitioned directory; file names are ``rank-NNNNN/NAME``. A
+    rank's missing or damaged manifest is reported, and the share files it listed are found and
+    checked anyway (lowdiff.partition.read_views)."""
     root = os.fspath(root)
-    ranks = sorted(rank_directories(root))
-    manifests = read_manifests(root, ranks)
-    problems, jobs = [], []
-    for rank in ranks:
-        directory = os.path.join(root, f"rank-{rank:05d}")
-        manifest = manifests[rank]
-        if manifest is None and not any(n.startswith(("full-", "diff-")) for n in os.listdir(directory)):
+    views = read_views(root, skip_other_versions=True)
+    problems, jobs, adopted = [], [], []
+    for rank, inventory in views.items():
+        directory = rank_directory(root, rank)
+        manifest = inventory.manifest
+        if not manifest.files() and not inventory.ignored and inventory.committed is None:
             continue   # a rank that joined and has not written yet
-        if manifest is None:
-            problems.append(Problem(os.path.join(directory, "MANIFEST.json"), "CORRUPT",
-                                    "missing or damaged: the shares of this rank are not used"))
-            continue
-        jobs += [(os.path.join(f"rank-{rank:05d}", e.file), e) for e in manifest.fulls + manifest.batches]
+        problems += _rank_problems(directory, inventory)
+        name = os.path.basename(directory)
+        jobs += [(os.path.join(name, e.file), e, manifest.run) for e in manifest.fulls + manifest.batches]
+        adopted += [os.path.join(name, n) for n in inventory.adopted]
     with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
-        results = list(pool.map(lambda job: _check(os.path.join(root, job[0]), job[1]), jobs))
+        results = list(pool.map(lambda job: _check(os.path.join(root, job[0]), job[1], job[2]), jobs))
     ok, reach = [], {}
-    for (name, _), (problem, last) in zip(jobs, results):
+    for (name, _, _), (problem, last) in zip(jobs, results):
         (problems.append(problem) if problem else ok.append(name))
         reach[name] = last
-    try:
-        sets, _ = plan_sets(root, None)
-    except CheckpointError:
-        sets = []
+    manifests = {rank: inventory.manifest for rank, inventory in views.items()}
+    sets = plan(root, None, views).sets
     recoverable = []
     for fset in sets:
         names = [os.path.relpath(path, root) for path in fset.files]
         if any(reach.get(n) is None for n in names):
             continue
-        ends = [_chain_reach(fset.step, i, chain, reach) for i, chain in enumerate(fset.chains)]
+        ends = [_chain_reach(fset.step, i, chain, reach, set(ok)) for i, chain in enumerate(fset.chains)]
         recoverable.append((fset.step, names[0], min(ends)))
     listed = [min(_listed_end(fset.step, i, chain, manifests) for i, chain in enumerate(fset.chains))
               for fset in sets]
-    return VerifyReport(root, tuple(ok), (), (), tuple(problems), tuple(sorted(recoverable)), max(listed, default=-1))
+    return VerifyReport(root, tuple(ok), tuple(n for n in ok if n in adopted), (), tuple(problems),
+                        tuple(sorted(recoverable)), max(listed, default=-1))
 
 
-def _chain_reach(step: int, share: int, chain: tuple, reach: dict) -> int:
+def _chain_reach(step: int, share: int, chain: tuple, reach: dict, ok: set) -> int:
+    """The last step share ``share``'s chain carries from ``step``: through its files while they
+    verify; a file that verifies only in part ends it at its last good record."""
     for name in chain:
-        good = reach.get(os.path.join(f"rank-{share:05d}", name))
-        if good is None:
+        path = os.path.join(f"rank-{share:05d}", name)
+        if reach.get(path) is None:
             return step
-        step = good
+        step = reach[path]
+        if path not in ok:
+            return step
     return step
 
 

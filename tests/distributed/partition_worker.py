@@ -95,6 +95,23 @@ class _nothing:
         return False
 
 
+def time_travel(args, model, ddp, opt, sched, sampler):
+    with open(args.digests, "a") as out:
+        for step in args.travel:
+            try:
+                got = recovery.resume(args.dir, ddp, opt, step=step, scheduler=sched, extra_state={"sampler": sampler})
+            except lowdiff.NoCheckpointError as exc:
+                out.write(f"travel-error {step} {exc}\n")
+                continue
+            assert int(got) == step, (got, step)
+            out.write(f"travel {step} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
+    if args.world > 1:
+        # The last collective was rank 0's broadcast of a plan: rank 0 may be done before the
+        # others have read it, and a process group torn down under a reader aborts it.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main():
     p = argparse.ArgumentParser()
     for name in ("rank", "world", "port", "steps"):
@@ -112,12 +129,18 @@ def main():
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--flush", action="store_true", help="flush after every step")
     p.add_argument("--resume-only", action="store_true", help="resume, write the digest line, stop")
+    p.add_argument("--travel", type=lambda s: [int(k) for k in s.split(",")],
+                   help="resume a plain optimizer at each of these steps (read only), write 'travel K FULL "
+                        "SHARED' or 'travel-error K MESSAGE' lines, stop")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world)
     model, ddp, opt, sched, sampler = build(args)
+    if args.travel:
+        time_travel(args, model, ddp, opt, sched, sampler)
+        return
     opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), full_every=args.full_every,
                        batch_steps=args.batch_steps, scheduler=sched, extra_state={"sampler": sampler})
     start = recovery.resume(args.dir, ddp, opt)

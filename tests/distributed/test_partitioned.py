@@ -1,7 +1,10 @@
 """Partitioned directories on real gloo processes (partition_worker.py): each rank writes a share;
 a rank SIGKILLed mid-run (the others taken down, as torchrun does) or mid-write of its share of a
 full checkpoint; resume with 1, 2 and 3 ranks lands every rank on the state of an uninterrupted run,
-byte for byte; a damaged or missing share makes resume fall back and say so."""
+byte for byte; a damaged or missing share makes resume fall back and say so; a rank's damaged or
+missing manifest loses nothing (rebuilt from the share files); a torn differential share ends the
+chain where it is torn; time travel to every retained step at 1 and 2 ranks; retention cleans the
+directories of ranks a run resumed with fewer ranks dropped."""
 import logging
 import os
 import socket
@@ -14,7 +17,10 @@ import torch
 
 import lowdiff
 import recovery
+from lowdiff.cli import main as cli
+from lowdiff.manifest import read_manifest, write_manifest
 from lowdiff.partition import rank_directories
+from lowdiff.sharefile import parse_diff_share
 
 sys.path.insert(0, os.path.dirname(__file__))
 import partition_worker  # noqa: E402
@@ -29,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180):
+def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180, steps=STEPS):
     """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does).
     Returns [(exit code, stderr)] by rank."""
     port = free_port()
@@ -39,7 +45,7 @@ def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeo
         if fault is not None and rank == fault_rank:
             env["LOWDIFF_FAULT"] = fault
         args = [sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
-                "--steps", str(STEPS), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
+                "--steps", str(steps), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
         procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
@@ -219,3 +225,145 @@ def test_cli_understands_partitioned_directories(tmp_path, reference, capsys):
     damaged.write_bytes(damaged.read_bytes()[:-40] + bytes(40))
     assert main(["verify", str(copy)]) == 1
     assert "CORRUPT" in capsys.readouterr().out
+
+
+def _copy(directory, tmp_path):
+    copy = tmp_path / "ckpt"
+    subprocess.run(["cp", "-a", str(directory), str(copy)], check=True)
+    return copy
+
+
+def _checkpoint_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith(("full-", "diff-")))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_damaged_or_missing_rank_manifest_loses_nothing(tmp_path, reference, caplog, capsys, damage):
+    ref, directory = reference
+    copy = _copy(directory, tmp_path)
+    manifest = copy / "rank-00001" / "MANIFEST.json"
+    files = _checkpoint_files(copy / "rank-00001")
+    data = manifest.read_bytes()
+    if damage == "corrupt":
+        manifest.write_bytes(data.replace(b'"step": 12', b'"step": 13'))   # valid JSON, checksum fails
+    elif damage == "truncate":
+        manifest.write_bytes(data[:len(data) // 2])
+    else:
+        manifest.unlink()
+    assert cli(["verify", str(copy)]) == 1                       # reported, naming the manifest
+    out = capsys.readouterr().out
+    assert "rank-00001/MANIFEST.json: " in out and "rebuilt from the share files" in out
+    assert "recoverable steps 12..16" in out                     # the shares it listed are still found
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        start, shared = _resume_in_process(copy)
+    assert int(start) == STEPS and shared == ref[0][STEPS][1]    # the newest complete step, exact
+    assert "rank-00001" in caplog.text and "rebuil" in caplog.text
+    assert _checkpoint_files(copy / "rank-00001") == files       # nothing the manifest lost is deleted
+    if damage == "truncate":   # real ranks: both land on the newest step with their own state
+        ok(launch(copy, tmp_path / "w2", 2, "--resume-only"))
+        for rank in range(2):
+            step, got = digests(tmp_path / f"w2-{rank}.txt")
+            assert step == STEPS and got[STEPS] == ref[rank][STEPS]
+        assert read_manifest(str(copy / "rank-00001")).files() == set(files)   # listed again
+
+
+def _record_offset(path, step):
+    index = parse_diff_share(str(path), path.read_bytes())
+    return next(offset for s, offset, _ in index.batch.records if s == step)
+
+
+@pytest.mark.parametrize("tear", ["truncated", "record-corrupted"])
+def test_torn_differential_share_ends_the_chain(tmp_path, reference, caplog, capsys, tear):
+    ref, directory = reference
+    copy = _copy(directory, tmp_path)
+    share = copy / "rank-00001" / next(n for n in _checkpoint_files(copy / "rank-00001")
+                                       if n.startswith("diff-000000000013-"))   # steps 13..15
+    data = bytearray(share.read_bytes())
+    if tear == "truncated":
+        share.write_bytes(bytes(data[:len(data) - 100]))
+        expected = 12              # without its index the share's parameters are unknown: none used
+    else:
+        data[_record_offset(share, 14) + 40] ^= 0xFF   # inside the record of step 14
+        share.write_bytes(bytes(data))
+        expected = 13
+    assert cli(["verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert f"CORRUPT  {share}" in out and f"recoverable steps 12..{expected}" in out
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        start, shared = _resume_in_process(copy)
+    assert int(start) == expected and shared == ref[0][expected][1]
+    assert share.name in caplog.text
+    assert f"resuming at step {expected}" in caplog.text or f"ends at step {expected}" in caplog.text
+
+
+def _travels(path):
+    """({step: (full digest, shared digest)}, {step: error message})."""
+    got, errors = {}, {}
+    for line in path.read_text().splitlines():
+        kind, step, rest = line.split(" ", 2)
+        if kind == "travel":
+            got[int(step)] = tuple(rest.split())
+        else:
+            errors[int(step)] = rest
+    return got, errors
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_time_travel_to_every_retained_step(tmp_path, reference, world):
+    ref, directory = reference
+    retained = list(range(6, STEPS + 1))                 # full sets 6 and 12 (keep_full 2), to step 16
+    steps = ",".join(str(k) for k in retained + [5, STEPS + 1])
+    ok(launch(directory, tmp_path / "travel", world, "--travel", steps))
+    for rank in range(world):
+        got, errors = _travels(tmp_path / f"travel-{rank}.txt")
+        assert sorted(got) == retained
+        for k in retained:
+            assert got[k] == ref[rank][k], f"rank {rank}: state at step {k} differs"
+        for k in (5, STEPS + 1):
+            assert f"step {k} is not retained; retained steps: 6..{STEPS}" in errors[k]
+
+
+def test_durable_step_is_what_every_share_reaches(tmp_path, reference, capsys):
+    _, directory = reference
+    copy = _copy(directory, tmp_path)
+    rank1 = str(copy / "rank-00001")
+    manifest = read_manifest(rank1)
+    newest = max(manifest.batches, key=lambda b: b.last)          # rank 1's share of step 16
+    manifest.batches.remove(newest)
+    write_manifest(rank1, manifest)
+    os.unlink(os.path.join(rank1, newest.file))
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, copy,
+                       compressor=lowdiff.TopK(ratio=0.1, min_numel=64), full_every=6, batch_steps=3)
+    try:
+        assert opt.durable_step == STEPS - 1                      # rank 0's own shares reach 16
+        stats = opt.stats()
+        assert stats["durable_step"] == STEPS - 1 and stats["rank_durable_step"] == STEPS
+        assert int(recovery.resume(copy, model, opt)) == STEPS - 1
+    finally:
+        opt.close()
+    assert cli(["inspect", str(copy)]) == 0
+    assert f"durable step   {STEPS - 1}" in capsys.readouterr().out
+
+
+def test_retention_cleans_the_ranks_a_resumed_run_dropped(tmp_path, reference, capsys):
+    """2 ranks to step 16, then 1 rank: rank 0 cleans rank-00001/ as it retires the old sets, and
+    not before (the older complete set stays while it is among the newest keep_full)."""
+    _, directory = reference
+    copy = _copy(directory, tmp_path)
+    old = _checkpoint_files(copy / "rank-00001")
+    ok(launch(copy, tmp_path / "one", 1, steps=20))   # resumed at 16: full sets 12 (2 shares), 16+
+    kept = _checkpoint_files(copy / "rank-00001")
+    assert any(n.startswith("full-000000000012-") for n in kept) and not any(n.startswith("full-000000000006-")
+                                                                             for n in kept)
+    assert set(kept) < set(old)
+    assert cli(["verify", str(copy)]) == 0
+    capsys.readouterr()
+    ok(launch(copy, tmp_path / "one", 1, steps=32))   # two newer complete sets of 1 share: the old go
+    assert _checkpoint_files(copy / "rank-00001") == []
+    assert len([n for n in _checkpoint_files(copy / "rank-00000") if n.startswith("full-")]) == 2
+    assert cli(["verify", str(copy)]) == 0
+    _, trained = digests(tmp_path / "one-0.txt")
+    step, got = _resume_in_process(copy)
+    assert int(step) == 32 and got == trained[32][1]               # nothing the newest set needs went
