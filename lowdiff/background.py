@@ -7,6 +7,7 @@ the training thread by ``check`` (lowdiff calls it at the start of every ``step`
 checkpointing stays stopped until the optimizer is closed."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -40,6 +41,11 @@ class _ErrorSlot:
 _RECHECK = object()   # put() blocked: close the batch if the records held already fill one
 
 
+@dataclasses.dataclass(frozen=True)
+class _BatchEnd:
+    step: int             # no batch spans this step: one ends there (see DiffWriter.end_batch_at)
+
+
 class DiffWriter:
     """Encodes records as they arrive and writes a batch file every ``batch_steps`` records or
     when sealed. At most ``max_pending_steps`` records may be recorded but not yet durable: beyond
@@ -51,7 +57,9 @@ class DiffWriter:
         records, run=, engine=)`` used instead of the plain record and batch file (a share of a
         partitioned directory, lowdiff.partition). ``drop_covered`` (replica mode): records of
         steps that a full checkpoint this session committed already holds are dropped before
-        their batch is written; the next batch then starts right after that checkpoint."""
+        their batch is written; the next batch then starts right after that checkpoint. Records
+        are then kept as handed over and encoded only when their batch is written (their
+        ``release`` is called after that, or when they are dropped)."""
         self.store = store
         self._drop_covered = drop_covered
         self.steps_dropped = 0           # records dropped because a full checkpoint covered them
@@ -70,7 +78,7 @@ class DiffWriter:
     def put(self, record, release=None) -> None:
         """Queue ``record`` (blocks while too many steps are not yet durable). Never raises a
         background error: the caller checks before it changes state (``check``). ``release()``
-        is called (on the writer thread) once the record's tensors have been read."""
+        is called (on the writer thread) once the record's tensors are no longer needed."""
         with self._room:
             while self._pending_steps >= self.max_pending_batches * self.controller.batch_steps:
                 # The writer closes a batch when a record arrives and finds ``batch_steps`` of them
@@ -86,6 +94,13 @@ class DiffWriter:
         with self._room:
             self._pending_steps -= steps
             self._room.notify_all()
+
+    def end_batch_at(self, step: int) -> None:
+        """A full checkpoint of ``step`` is being taken: no batch written from now on spans ``step``
+        (the chain from that checkpoint must find a batch that starts at ``step + 1``, whichever
+        commits first). Unlike ``seal`` nothing is written now. Call it right after ``put`` of the
+        record of ``step``, on the same thread."""
+        self._queue.put(_BatchEnd(step))
 
     def seal(self) -> threading.Event:
         """Close the current batch (write it even if partial); the event is set when it is durable."""
@@ -109,7 +124,7 @@ class DiffWriter:
         self._errors.check()
 
     def _run(self) -> None:
-        pending: list = []
+        pending: list[_Pending] = []
         while True:
             item = self._queue.get()
             if item is None:
@@ -119,6 +134,10 @@ class DiffWriter:
                 pending = []
                 item.set()
                 continue
+            if isinstance(item, _BatchEnd):
+                if pending and pending[-1].step == item.step:
+                    pending[-1].ends_batch = True
+                continue
             if item is _RECHECK:
                 pending = self._without_covered(pending)
                 if pending and len(pending) >= self.controller.batch_steps:
@@ -126,22 +145,29 @@ class DiffWriter:
                     pending = []
                 continue
             record, release = item
-            try:
-                if self._errors.error is None:
-                    encoded = self._encode(record)
-                    pending.append((record.step, encoded))
-                    self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
-            except BaseException as exc:
-                self._errors.error = exc
-            finally:
-                if release is not None:
-                    release()
+            if self._drop_covered and self._errors.error is None:
+                # Most of these records are dropped: encode (copy) only those a batch will hold.
+                pending.append(_Pending(record.step, record, release))
+            else:
+                try:
+                    if self._errors.error is None:
+                        pending.append(_Pending(record.step, self._encoded(record), None))
+                except BaseException as exc:
+                    self._errors.error = exc
+                finally:
+                    if release is not None:
+                        release()
             pending = self._without_covered(pending)
             if len(pending) >= self.controller.batch_steps:
                 self._write(pending)
                 pending = []
             elif self._errors.error is not None:
                 self._release(1)
+
+    def _encoded(self, record) -> list:
+        encoded = self._encode(record)
+        self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
+        return encoded
 
     def _without_covered(self, pending: list) -> list:
         """``pending`` without the records a committed full checkpoint of this session holds (with
@@ -151,30 +177,58 @@ class DiffWriter:
             return pending
         covered = self.store.newest_full_step()
         dropped = 0
-        while dropped < len(pending) and pending[dropped][0] <= covered:
+        while dropped < len(pending) and pending[dropped].step <= covered:
             dropped += 1
         if not dropped:
             return pending
         self.steps_dropped += dropped
+        _let_go(pending[:dropped])
         self._release(dropped)
         return pending[dropped:]
 
     def _write(self, pending: list) -> None:
+        """Write ``pending`` as one batch, or one per stretch that ends at a ``_BatchEnd``."""
         pending = self._without_covered(pending)
         try:
-            if pending and self._errors.error is None:
-                started = time.perf_counter()
-                first, last = pending[0][0], pending[-1][0]
-                path = self.store.batch_path(first, last)
-                nbytes = self._write_batch(path, self.store.session, pending, run=self.store.run,
-                                           engine=self._engine)
-                faults.point("batch-commit")
-                self.store.commit_batch(first, last, path, nbytes)
-                self.controller.batch_written(len(pending), time.perf_counter() - started, nbytes)
+            start = 0
+            for end, entry in enumerate(pending, 1):
+                if entry.ends_batch or end == len(pending):
+                    self._write_one(pending[start:end])
+                    start = end
         except BaseException as exc:
             self._errors.error = exc
         finally:
+            _let_go(pending)   # after the write: encoded buffers may be views of the record's tensors
             self._release(len(pending))
+
+    def _write_one(self, pending: list) -> None:
+        if self._errors.error is not None:
+            return
+        records = [(p.step, p.payload if p.release is None else self._encoded(p.payload)) for p in pending]
+        started = time.perf_counter()
+        first, last = pending[0].step, pending[-1].step
+        path = self.store.batch_path(first, last)
+        nbytes = self._write_batch(path, self.store.session, records, run=self.store.run, engine=self._engine)
+        faults.point("batch-commit")
+        self.store.commit_batch(first, last, path, nbytes)
+        self.controller.batch_written(len(pending), time.perf_counter() - started, nbytes)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A record waiting for its batch: encoded buffers, or (``drop_covered``) the record itself,
+    whose tensors its owner lends until ``release()``."""
+    step: int
+    payload: object
+    release: object = None
+    ends_batch: bool = False      # a full checkpoint is taken at this step: no batch goes past it
+
+
+def _let_go(pending: list) -> None:
+    for entry in pending:
+        if entry.release is not None:
+            entry.release()
+            entry.release = None
 
 
 class _BackgroundCopy:

@@ -2,13 +2,13 @@
 gradient is copied into staging memory by a post-accumulate-grad hook as soon as autograd has
 finished accumulating it, so the copies overlap the rest of backward instead of running in step().
 
-Staging is a small pool of gradient sets (one tensor per parameter each). The training thread fills
+Staging is a pool of gradient sets (one tensor per parameter each). The training thread fills
 the *current* set during backward; ``take()`` at ``step()`` hands it over (to the replica worker,
 which gives it back when it has applied the step, and to the differential writer, which gives it
-back when it has encoded the step's record: the set is free when both have) and ``acquire()``
-gets the next one, blocking while every set is in flight: that wait is the backpressure that
-bounds memory (``sets`` steps captured and not yet applied, at most; with one set, each step
-waits for the previous one).
+back when the step's record is written or no longer needed: the set is free when both have) and
+``acquire()`` makes a free set current, allocating one when none is free. The pool therefore grows
+to what the holders keep at most; those bound it (lowdiff.replica bounds the steps not yet
+applied, the differential writer the records not yet durable) and make training wait.
 
 Exactness: the record must be exactly the tensor the optimizer consumes. Autograd accumulation
 bumps a gradient's version counter, and so does anything done to it after backward (clipping,
@@ -20,7 +20,6 @@ once per micro-batch and the last copy wins.
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -46,26 +45,24 @@ class GradientSet:
 
 
 class GradientStaging:
-    """Post-accumulate-grad hooks on ``params`` (param_groups order) and a pool of ``sets``
-    gradient sets. Training thread: backward (hooks) -> ``take()`` in step() -> ``acquire()``
-    once the taken set is handed over. Any thread: ``give_back(set)``. ``close()`` removes the hooks."""
+    """Post-accumulate-grad hooks on ``params`` (param_groups order) and a pool of gradient sets
+    (``sets`` allocated up front, more when needed). Training thread: backward (hooks) ->
+    ``take()`` in step() -> ``acquire()`` once the taken set is handed over. Any thread:
+    ``give_back(set)``. ``close()`` removes the hooks."""
 
     def __init__(self, params: list, sets: int):
         if sets < 1:
             raise ValueError(f"sets={sets} must be >= 1")
         self.params = params
-        cuda = any(p.device.type == "cuda" for p in params)
+        self._pinned = any(p.device.type == "cuda" for p in params)
         # A GPU gradient goes to pinned host memory on a side stream, overlapping backward's kernels.
-        self._stream = torch.cuda.Stream() if cuda else None
-        self._free = [GradientSet(params, pinned=cuda) for _ in range(sets)]
-        self._room = threading.Condition()
-        self.sets = sets
+        self._stream = torch.cuda.Stream() if self._pinned else None
+        self._free = [GradientSet(params, pinned=self._pinned) for _ in range(sets)]
+        self._lock = threading.Lock()
+        self.allocated = sets      # sets in existence (the pool's high-water mark)
         self.current: GradientSet | None = None
         self.hook_copies = 0       # gradients staged by a hook and used as is
         self.step_copies = 0       # gradients (re)copied in step(): changed after backward, or no hook ran
-        self.waits = 0             # acquire() calls that found no free set
-        self.wait_s = 0.0
-        self.waiting = False       # the training thread is blocked in acquire() now
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(slot)) for slot, p in enumerate(params)]
         self.acquire()
 
@@ -124,34 +121,33 @@ class GradientStaging:
         return gset, grads
 
     def acquire(self) -> GradientSet:
-        """Make a free set current, waiting while all are in flight (backpressure)."""
-        with self._room:
-            if not self._free:
-                self.waits += 1
-                started = time.perf_counter()
-                self.waiting = True
-                while not self._free:
-                    self._room.wait()
-                self.waiting = False
-                self.wait_s += time.perf_counter() - started
-            gset = self._free.pop()
+        """Make a free set current (a new one when none is free)."""
+        with self._lock:
+            gset = self._free.pop() if self._free else None
+            if gset is None:
+                self.allocated += 1
+        if gset is None:
+            gset = GradientSet(self.params, pinned=self._pinned)
         gset.reset()
         self.current = gset
         return gset
 
+    def lend(self, gset: GradientSet) -> None:
+        """One more holder of ``gset`` (called by a holder), who will ``give_back`` too."""
+        with self._lock:
+            gset.users += 1
+
     def give_back(self, gset: GradientSet) -> None:
         """One of the set's ``users`` is done with it; the last one frees it."""
-        with self._room:
+        with self._lock:
             gset.users -= 1
-            if gset.users > 0:
-                return
-            self._free.append(gset)
-            self._room.notify_all()
+            if gset.users == 0:
+                self._free.append(gset)
 
-    def in_flight(self) -> int:
-        """Sets neither free nor current: steps captured and not yet applied."""
-        with self._room:
-            return self.sets - len(self._free) - (self.current is not None)
+    def in_use(self) -> int:
+        """Sets neither free nor current: handed over and not given back by every holder yet."""
+        with self._lock:
+            return self.allocated - len(self._free) - (self.current is not None)
 
     def close(self) -> None:
         """Remove the hooks (idempotent)."""

@@ -4,19 +4,22 @@ and gradient, through lowdiff.apply, as recovery does), and persists it now and 
 full checkpoint, carrying the boundary objects (RNG, buffers, scheduler, extra_state) of the step
 it holds. Training never copies its own state for a checkpoint.
 
-Every step's record also goes to the session's differential writer, as in differential mode, so
-a crash loses no more than there: a record that a committed replica checkpoint already holds is
-dropped before its batch is written (lowdiff.background.DiffWriter, ``drop_covered``), so
-differentials reach the disk only for the steps since the newest persisted replica. Resume = the
-newest replica checkpoint plus the batches after it, through recovery.resume as in any directory.
+Every step's record also goes to the session's differential writer, as in differential mode: the
+worker hands it over once it has applied the step, in step order with its persist decisions, so
+that no batch spans a step whose replica checkpoint is being taken (the chain from that checkpoint
+starts right after it). A record that a committed replica checkpoint already holds is dropped
+before its batch is written (lowdiff.background.DiffWriter, ``drop_covered``), so differentials
+reach the disk only for the steps since the newest persisted replica. Resume = the newest replica
+checkpoint plus the batches after it, through recovery.resume as in any directory.
 
 Flow of one step (training thread, from LowDiffOptimizer): ``gradients()`` before the optimizer
 step (the staged gradients, see lowdiff.gradhooks), ``submit(record)`` at the iteration boundary
-(the record is handed to the differential writer and to the worker with its gradient set; then the
-next set is acquired, which waits while ``inflight_steps`` steps are not applied yet). ``check()``
-first in every step, ``flush()``/``close()`` at the end. Durability is the differential writer's
-(``flush()`` here only lets the worker catch up); ``close()`` persists the newest step as a
-replica checkpoint, so a closed run resumes without replay.
+(the record is handed with its gradient set to the worker, waiting while ``inflight_steps`` steps
+are not applied yet; then the next set is made current). ``check()`` first in every step,
+``flush()``/``close()`` at the end. Durability: a crash loses the steps the worker has not handed
+to the differential writer (at most ``inflight_steps``) and those the writer has not made durable;
+``flush()`` lets the worker catch up, then the session flushes the writer. ``close()`` persists the
+newest step as a replica checkpoint, so a closed run resumes without replay.
 """
 from __future__ import annotations
 
@@ -79,8 +82,12 @@ class Replica:
         self.full_every = int(config.full_every)
         self.inflight_steps = inflight_steps
         self.staging = GradientStaging(capture.params, sets=inflight_steps)
-        # The queue bound also covers steps without a gradient set (skipped by GradScaler).
-        self._queue: queue.Queue = queue.Queue(maxsize=inflight_steps)
+        self._queue: queue.Queue = queue.Queue()
+        # Backpressure: at most ``inflight_steps`` steps handed to the worker and not applied yet
+        # (steps skipped by GradScaler, without gradients, count too).
+        self._room = threading.Condition()
+        self.unapplied = 0
+        self.waiting = False      # the training thread waits for the worker now
         # Its own writer and controller: a replica checkpoint costs training no stall, and its
         # timings must not steer the controller's choices for the training thread's checkpoints.
         self.fulls = FullWriter(store, Controller(config), engine, background_copy=False)
@@ -93,10 +100,11 @@ class Replica:
         self._capture: StepCapture | None = None
         self.submitted_step = self.applied_step = self.persist_step = -1
         self._last_record = None
-        self.counts = {"persists": 0, "persists_skipped_busy": 0, "resyncs": 0, "queue_waits": 0}
+        self.counts = {"persists": 0, "persists_skipped_busy": 0, "resyncs": 0}
         self.max_inflight_seen = 0
         self.max_lag_steps = 0
-        self._queue_wait_s = 0.0
+        self.waits = 0
+        self.wait_s = 0.0
 
     # ------------------------------------------------------------ training thread
     def start(self, step: int) -> None:
@@ -118,22 +126,14 @@ class Replica:
         return grads
 
     def submit(self, record) -> None:
-        """At the iteration boundary: hand ``record`` to the worker; then acquire the next set
-        (both may wait: backpressure)."""
+        """At the iteration boundary: hand ``record`` to the worker (which may wait: backpressure),
+        then make the next gradient set current."""
         gset, self._taken = self._taken, None
         if self._resync_due:
-            # The state changed outside the records: a chain of differentials through this step
-            # would replay a state this run never had. End it before this step; the next batch
-            # starts after the adopted (persisted) state.
-            self.diffs.seal()
             self._resync(record, gset)
         else:
-            if gset is not None:
-                gset.users = 2     # the differential writer and the worker
-            self.diffs.put(record, release=None if gset is None else lambda: self.staging.give_back(gset))
-            self._put(_Step(record, gset))
+            self._hand_over(_Step(record, gset))
         self.submitted_step = record.step
-        self.max_inflight_seen = max(self.max_inflight_seen, self.staging.in_flight())
         self.max_lag_steps = max(self.max_lag_steps, self.submitted_step - self.applied_step)
         if self.staging.current is None:
             self.staging.acquire()
@@ -158,22 +158,28 @@ class Replica:
         self.optimizer.load_state_dict(copy.deepcopy(self.training.optimizer.state_dict()))
         self._resync_due = False
         self.counts["resyncs"] += 1
-        self._put(_Step(record, None, adopted=True))
+        self._hand_over(_Step(record, None, adopted=True))
 
-    def _put(self, item) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.counts["queue_waits"] += 1
-            started = time.perf_counter()
-            self._queue.put(item)
-            self._queue_wait_s += time.perf_counter() - started
+    def _hand_over(self, step: _Step) -> None:
+        """Queue ``step`` for the worker, first waiting while ``inflight_steps`` are unapplied."""
+        with self._room:
+            if self.unapplied >= self.inflight_steps:
+                self.waits += 1
+                started = time.perf_counter()
+                self.waiting = True
+                while self.unapplied >= self.inflight_steps:
+                    self._room.wait()
+                self.waiting = False
+                self.wait_s += time.perf_counter() - started
+            self.unapplied += 1
+            self.max_inflight_seen = max(self.max_inflight_seen, self.unapplied)
+        self._queue.put(step)
 
     def _drain(self, persist: bool) -> None:
         if self._thread is None:
             return
         done = threading.Event()
-        self._put(_Flush(done, persist))
+        self._queue.put(_Flush(done, persist))
         done.wait()
 
     def check(self) -> None:
@@ -208,8 +214,8 @@ class Replica:
                 "persisted_step": self.persist_step,
                 "persist_lag_steps": max(self.submitted_step - self.persist_step, 0),
                 "max_inflight_steps": self.max_inflight_seen,
-                "training_waits": staging.waits + self.counts["queue_waits"],
-                "training_wait_s": staging.wait_s + self._queue_wait_s,
+                "training_waits": self.waits, "training_wait_s": self.wait_s,
+                "gradient_sets": staging.allocated,
                 "hook_copies": staging.hook_copies, "step_copies": staging.step_copies,
                 "diff_steps_dropped": self.diffs.steps_dropped, **self.counts}
 
@@ -225,8 +231,12 @@ class Replica:
             except BaseException as exc:   # kept, and raised by the training thread's next step()
                 self._errors.error = exc
             finally:
-                if isinstance(item, _Step) and item.gset is not None:
-                    self.staging.give_back(item.gset)
+                if isinstance(item, _Step):
+                    if item.gset is not None:
+                        self.staging.give_back(item.gset)
+                    with self._room:
+                        self.unapplied -= 1
+                        self._room.notify_all()
                 if isinstance(item, _Flush):
                     item.done.set()
 
@@ -238,8 +248,18 @@ class Replica:
             self.fulls.wait()
             return
         record = item.record
-        if not item.adopted:
+        if item.adopted:
+            # The state changed outside the records: a chain of differentials through this step
+            # would replay a state this run never had. It ends before this step; the next batch
+            # starts after the adopted (persisted) state.
+            self.diffs.seal()
+        else:
             apply_record(record, self.params, self.optimizer)
+            # Recorded from here, in step order with the persist decisions (see _persist).
+            if item.gset is not None:
+                self.staging.lend(item.gset)
+            gset = item.gset
+            self.diffs.put(record, release=None if gset is None else lambda: self.staging.give_back(gset))
         self.applied_step, self._last_record = record.step, record
         if item.gset is not None:     # free the gradients before the (longer) snapshot copy
             self.staging.give_back(item.gset)
@@ -256,6 +276,9 @@ class Replica:
         """Copy the replica (on this thread: the worker changes it next) and write it in the
         background as the full checkpoint of ``record.step``."""
         assert self._capture is not None
+        # Every batch written from now on ends at this step, so the chain from this checkpoint
+        # finds one starting right after it (records up to it are dropped once it commits).
+        self.diffs.end_batch_at(record.step)
         state, meta = self._capture.full_checkpoint(record.objects)
         self.fulls.take(record.step, state, meta, base=False)
         self.persist_step = record.step

@@ -143,6 +143,9 @@ def test_differentials_hold_the_steps_no_replica_holds(tmp_path, monkeypatch):
     train(opt, model, sampler, 10, digests=digests, sched=sched)
     opt.flush()
     assert opt.durable_step == 10
+    # Records held for their batches keep their gradient sets: no more than the writer's bound
+    # (max_pending_batches=2 batches of 4) plus the worker's (2) and the current one.
+    assert opt.stats()["replica"]["gradient_sets"] <= 2 * 4 + 2 + 1
     shutil.copytree(directory, copy, ignore=shutil.ignore_patterns("LOCK"))
     opt.close()
     manifest = read_manifest(copy)
@@ -196,12 +199,13 @@ def test_backpressure_bounds_steps_in_flight(tmp_path, monkeypatch):
     trainer = threading.Thread(target=run)
     trainer.start()
     deadline = time.monotonic() + HANG_GUARD_S
-    while not opt._replica.staging.waiting and trainer.is_alive() and time.monotonic() < deadline:
+    while not opt._replica.waiting and trainer.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert opt._replica.staging.waiting, "training never waited for the gated replica"
-    # Blocked inside step 3 (after its optimizer step, handing its gradients over): three
-    # captured steps unapplied, no gradient set left.
-    assert opt._replica.staging.in_flight() == 3 and len(done_steps) == 2
+    assert opt._replica.waiting, "training never waited for the gated replica"
+    # Blocked inside step 4 (after its optimizer step, before handing it over): three captured
+    # steps unapplied, and the gradient sets in use are theirs and step 4's.
+    assert opt._replica.unapplied == 3 and len(done_steps) == 3
+    assert opt._replica.staging.in_use() <= 4
     gate.set()
     trainer.join(HANG_GUARD_S)
     assert not trainer.is_alive()
@@ -235,8 +239,8 @@ def test_worker_error_surfaces_at_next_step(tmp_path, monkeypatch):
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="replica apply failed"):
         opt.close()
-    # The replica failed; the records of the steps taken before are still on disk as differentials.
-    assert opt.durable_step == 3
+    # The replica failed at step 3; the records of the steps it applied before are on disk.
+    assert opt.durable_step == 2
 
 
 def test_replica_needs_dense_and_fixed_full_every(tmp_path):
