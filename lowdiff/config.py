@@ -31,7 +31,11 @@ class WrapConfig:
     max_pending_batches: how many batches may be recorded but not yet durable before step() blocks;
     a SIGKILL loses at most about that many batches of steps. failure_rate_per_hour, max_recovery_s
     (a bound on load + replay at resume, None: none) and batch_memory_bytes (records held before
-    they are durable) are what the controller's choices for "auto" must respect (docs/controller.md)."""
+    they are durable) are what the controller's choices for "auto" must respect (docs/controller.md).
+    differentials: True records every step (the per-step promise); False, full checkpoints only (a
+    crash loses the steps since the last one); "auto" lets the controller turn them off while they
+    cost more than they save, and on again (the user's explicit consent to lose up to full_every
+    steps meanwhile)."""
 
     full_every: int | str = 100
     batch_steps: int | str = 10
@@ -45,6 +49,7 @@ class WrapConfig:
     replica: bool = False     # replica mode (LowDiff+, lowdiff.replica)
     replica_inflight_steps: int = 2   # replica mode: captured steps not yet applied before step() waits
     tiers: Any = None         # lowdiff.tiers.Tiers: stage to a shared directory (None: one directory)
+    differentials: bool | str = True   # record every step; False: full checkpoints only; "auto"
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):
@@ -66,6 +71,11 @@ class WrapConfig:
             raise ValueError(f"batch_memory_bytes={self.batch_memory_bytes!r} must be > 0")
         if self.replica_inflight_steps < 1:
             raise ValueError(f"replica_inflight_steps={self.replica_inflight_steps!r} must be >= 1")
+        if not (isinstance(self.differentials, bool) or self.differentials == "auto"):
+            raise ValueError(f"differentials={self.differentials!r} must be True, False or 'auto'")
+        if self.replica and self.differentials is not True:
+            raise ValueError(f"differentials={self.differentials!r} is not supported with replica=True (the "
+                             f"replica replaces differentials)")
         if self.replica and self.full_every == "auto":
             raise ValueError("full_every='auto' is not supported with replica=True: give how many steps apart "
                              "the replica is persisted (1: as often as the disk allows)")

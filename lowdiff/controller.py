@@ -1,7 +1,14 @@
 """The controller: measures what checkpointing costs in this process and picks the full-checkpoint
-interval (``full_every``) and the differential batch size (``batch_steps``) that minimise the
-expected wasted time under the failure rate the user states (lowdiff.costmodel; derivation in
-docs/controller.md). With fixed settings it measures and reports, and changes nothing.
+interval (``full_every``), the differential batch size (``batch_steps``) and, only with
+``differentials="auto"`` (the user's consent to give up per-step durability), whether differentials
+are recorded at all — whatever minimises the expected wasted time under the failure rate the user
+states (lowdiff.costmodel; derivation in docs/controller.md). With fixed settings it measures and
+reports, and changes nothing.
+
+Measurements outlive the process: they are written to CONTROLLER.json beside the manifest after
+each full checkpoint (lowdiff.controlstate) and read back when a session opens the directory, and
+``recovery.resume`` reports what a restart really cost (``resumed``): load, replay per record and
+the restart itself (process start to the end of resume, minus load and replay).
 
 Measurements are medians of recent samples (robust to the odd slow write or GC pause). Decisions
 are re-solved after every full checkpoint persists and every ``RESOLVE_EVERY_BATCHES`` batches, and
@@ -20,12 +27,15 @@ import collections
 import dataclasses
 import logging
 import math
+import os
 import statistics
 import threading
 import time
+import warnings
 from typing import Any
 
-from .costmodel import Costs, Evaluation, Limits, evaluate, solve
+from .controlstate import CONTROLLER_NAME, UnusableState, read_state, write_state
+from .costmodel import Costs, Evaluation, Limits, evaluate, replay_estimate, solve
 from .records import decode_record
 
 log = logging.getLogger("lowdiff")
@@ -40,6 +50,30 @@ RESOLVE_EVERY_BATCHES = 8
 DECODE_SAMPLE_EVERY = 64      # records between two timed decodes (the first record is always timed)
 HYSTERESIS = 0.05             # change only for a predicted waste at least this much (relative) lower ...
 HYSTERESIS_ABS = 1e-4         # ... and by at least this much of the wall-clock time
+
+
+# What is measured (each a window of samples). Step intervals are kept apart by whether the step
+# recorded a differential and whether a full checkpoint was in flight ("busy").
+MEASURED = ("step_s", "busy_step_s", "bare_step_s", "bare_busy_step_s", "optimizer_step_s", "record_s",
+            "stall_s", "persist_s", "full_bytes", "batch_write_s", "batch_bytes", "batch_steps", "decode_s",
+            "replay_record_s", "load_s", "restart_s")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22: start time after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_s)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _replay_workers() -> int:
+    # recovery.replay.default_workers (lowdiff does not import recovery): the machine's cores, <= 8.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 class _Window:
@@ -64,7 +98,7 @@ class Decision:
     steps_seen: int
     time_s: float             # since the controller started
     full_every: int
-    batch_steps: int
+    batch_steps: int | None   # None: differentials off (full checkpoints only)
     predicted_waste: float
     previous_waste: float | None
     reason: str
@@ -82,21 +116,24 @@ class Controller:
         self._started = time.perf_counter()
         self.auto_full = config.full_every == "auto"
         self.auto_batch = config.batch_steps == "auto"
+        self.auto_differentials = config.differentials == "auto"
         self.full_every = AUTO_INITIAL_FULL_EVERY if self.auto_full else config.full_every
         self.batch_steps = AUTO_INITIAL_BATCH_STEPS if self.auto_batch else config.batch_steps
+        # Whether differentials are wanted (the session switches at a full checkpoint). "auto"
+        # starts with them: their costs must be measured before they can be judged.
+        self.differentials: bool = config.differentials is not False
         self.limits = Limits(failure_rate_per_s=config.failure_rate_per_hour / 3600.0,
                              max_recovery_s=config.max_recovery_s, batch_memory_bytes=config.batch_memory_bytes,
                              max_pending_batches=config.max_pending_batches,
                              max_full_every=MAX_FULL_EVERY, max_batch_steps=MAX_BATCH_STEPS)
         self.history: list[Decision] = []
         self.current: Evaluation | None = None   # the model's prediction for the settings in force
-        self._windows = {name: _Window() for name in (
-            "step_s", "optimizer_step_s", "record_s", "stall_s", "persist_s", "full_bytes",
-            "batch_write_s", "batch_bytes", "batch_steps", "decode_s", "busy_step_s")}
+        self._windows = {name: _Window() for name in MEASURED}
         # A full checkpoint costs training more than its stall: the steps that run while it is
         # copied and written share the CPU and memory bandwidth with it. Steps that end while one
         # is in flight are measured apart ("busy_step_s"), and the difference is charged to it.
         self._persist_in_flight = False
+        self._state_dir: str | None = None     # where CONTROLLER.json is kept (load_state)
         self._last_step_end: float | None = None
         self._steps_seen = 0
         self._records_seen = 0
@@ -105,13 +142,90 @@ class Controller:
         self.samples = {name: collections.deque(maxlen=SAMPLES_KEPT)
                         for name in ("full_stall_s", "full_persist_s", "batch_write_s")}
 
+    # earlier sessions ---------------------------------------------------------
+    def load_state(self, directory: str) -> None:
+        """Start from the measurements that earlier sessions kept in ``directory`` (CONTROLLER.json),
+        and keep this session's there from now on. A file that cannot be used is named in a
+        warning and replaced at the next full checkpoint; the initial guesses are used meanwhile."""
+        self._state_dir = directory
+        try:
+            found = read_state(directory)
+        except UnusableState as exc:
+            warnings.warn(f"lowdiff: {exc}; the controller starts from its initial guesses", RuntimeWarning,
+                          stacklevel=2)
+            return
+        if found is None:
+            return
+        samples, settings = found
+        with self._lock:
+            for name, values in samples.items():
+                if name in self._windows:
+                    self._windows[name].samples.extend(values[-WINDOW:])
+            self._adopt_settings_locked(settings)
+            costs = self._costs_locked()
+            if costs is None or (self.differentials and not self._differentials_measured_locked()):
+                return
+            # The settings in force are a decision already (logged, and changed only with hysteresis).
+            self.current = self._evaluate_in_force_locked(costs)
+            self.history.append(Decision(0, 0.0, self.full_every, self.current.batch_steps, self.current.waste, None,
+                                         f"settings and measurements of earlier sessions ({CONTROLLER_NAME})",
+                                         dataclasses.asdict(costs)))
+            log.info("lowdiff controller: continuing with full_every %d, batch_steps %s of earlier sessions "
+                     "(%s); predicted waste %.4f%%", self.full_every, self.current.batch_steps or "off",
+                     CONTROLLER_NAME, 100 * self.current.waste)
+            self._resolve_locked("measurements of earlier sessions")
+
+    def _adopt_settings_locked(self, settings: dict) -> None:
+        """Continue with the auto settings an earlier session chose (ignored unless sensible)."""
+        def positive_int(value, cap):
+            return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= cap
+
+        if self.auto_full and positive_int(settings.get("full_every"), MAX_FULL_EVERY):
+            self.full_every = settings["full_every"]
+        if self.auto_batch and positive_int(settings.get("batch_steps"), MAX_BATCH_STEPS):
+            self.batch_steps = settings["batch_steps"]
+        if self.auto_differentials and isinstance(settings.get("differentials"), bool):
+            self.differentials = settings["differentials"]
+
+    def save_state(self) -> None:
+        """Write the measurements and settings to CONTROLLER.json (full-writer thread, after a
+        commit). Advice only: a failure is logged, never raised into the checkpoint writer."""
+        if self._state_dir is None:
+            return
+        with self._lock:
+            samples = {name: list(window.samples) for name, window in self._windows.items() if window.samples}
+            settings = {"full_every": self.full_every, "batch_steps": self.batch_steps,
+                        "differentials": self.differentials}
+        try:
+            write_state(self._state_dir, samples, settings)
+        except OSError as exc:
+            log.warning("lowdiff controller: could not write %s in %s: %s", CONTROLLER_NAME, self._state_dir, exc)
+
     # measurements -----------------------------------------------------------
-    def step_finished(self, optimizer_step_s: float) -> None:
-        """Training thread, right after the inner optimizer step."""
+    def resumed(self, load_s: float, replay_s: float, replayed: int) -> None:
+        """recovery.resume, at its end: the full checkpoint took ``load_s`` to load and
+        ``replayed`` records took ``replay_s`` to replay. What this process spent before being
+        ready to train, besides those two, is its restart time (interpreter, imports, model build,
+        wrap, planning the resume)."""
+        age_s = process_age_s()
+        with self._lock:
+            if load_s > 0:
+                self._windows["load_s"].add(load_s)
+            if replayed > 0:
+                self._windows["replay_record_s"].add(replay_s / replayed)
+            if age_s is not None:
+                self._windows["restart_s"].add(max(0.0, age_s - load_s - replay_s))
+
+    def step_finished(self, optimizer_step_s: float, recording: bool = True) -> None:
+        """Training thread, right after the inner optimizer step; ``recording``: whether this
+        step records a differential."""
         now = time.perf_counter()
         with self._lock:
             if self._last_step_end is not None:
-                self._windows["busy_step_s" if self._persist_in_flight else "step_s"].add(now - self._last_step_end)
+                busy = self._persist_in_flight
+                name = ("busy_step_s" if busy else "step_s") if recording else \
+                    ("bare_busy_step_s" if busy else "bare_step_s")
+                self._windows[name].add(now - self._last_step_end)
             self._last_step_end = now
             self._windows["optimizer_step_s"].add(optimizer_step_s)
             self._steps_seen += 1
@@ -137,6 +251,7 @@ class Controller:
             self._windows["full_bytes"].add(float(nbytes))
             self.samples["full_persist_s"].append(persist_s)
             self._resolve_locked("full checkpoint persisted")
+        self.save_state()
 
     def batch_written(self, steps: int, write_s: float, nbytes: int) -> None:
         """Diff-writer thread, when a batch of ``steps`` records (``nbytes``) is committed."""
@@ -169,40 +284,69 @@ class Controller:
         with self._lock:
             return self._costs_locked()
 
+    def differentials_measured(self) -> bool:
+        """Whether steps that record differentials and their batch writes have been measured."""
+        with self._lock:
+            return self._differentials_measured_locked()
+
+    def _differentials_measured_locked(self) -> bool:
+        return all(self._windows[name].value is not None for name in ("step_s", "optimizer_step_s", "batch_write_s"))
+
     def _costs_locked(self) -> Costs | None:
+        """The model's inputs. Needs a full checkpoint persisted and steps timed with or without
+        differentials; the differentials' own costs are 0 until measured (see
+        ``differentials_measured``)."""
         v = {name: window.value for name, window in self._windows.items()}
-        needed = ("step_s", "optimizer_step_s", "stall_s", "persist_s", "batch_write_s")
-        if any(v[name] is None for name in needed):
+        if v["stall_s"] is None or v["persist_s"] is None or (v["step_s"] is None and v["bare_step_s"] is None):
             return None
-        record_s = v["record_s"] or 0.0
-        # The interval between step ends holds the recording too; Costs.step_s excludes it.
-        step_s = max(v["step_s"] - record_s, 1e-6)
+        in_thread_s = v["record_s"] or 0.0
+        if v["bare_step_s"] is not None:
+            # Steps without differentials measured: recording costs what steps with them take
+            # longer (which includes the writer threads' competition for the CPU), never less
+            # than the training thread's own share of it.
+            step_s = v["bare_step_s"]
+            record_s = max(in_thread_s, v["step_s"] - step_s) if v["step_s"] is not None else in_thread_s
+        else:
+            # The interval between step ends holds the recording too; Costs.step_s excludes it.
+            assert v["step_s"] is not None
+            step_s, record_s = max(v["step_s"] - in_thread_s, 1e-6), in_thread_s
         # Every write's bytes/second is a lower bound on the device's bandwidth (its time also
         # holds fixed costs); the best of them is tight once some write is large. Erring low
         # over-charges bytes, the safe side.
-        writes = list(zip(self._windows["batch_write_s"].samples, self._windows["batch_bytes"].samples))
-        writes += zip(self._windows["persist_s"].samples, self._windows["full_bytes"].samples)
+        batch_writes = list(zip(self._windows["batch_write_s"].samples, self._windows["batch_bytes"].samples))
+        writes = batch_writes + list(zip(self._windows["persist_s"].samples, self._windows["full_bytes"].samples))
         bandwidth = max(max(b / max(s, 1e-9) for s, b in writes), 1.0)
-        diff_bytes_per_step = v["batch_bytes"] / v["batch_steps"]
-        fixed_s = statistics.median(max(0.0, s - b / bandwidth) for s, b in
-                                    zip(self._windows["batch_write_s"].samples, self._windows["batch_bytes"].samples))
-        # Replay = read the record + decode it + the optimizer step; reading assumes the read
-        # bandwidth equals the write bandwidth (docs/controller.md), as does loading a full.
-        replay_s = v["optimizer_step_s"] + (v["decode_s"] or 0.0) + diff_bytes_per_step / bandwidth
+        diff_bytes_per_step = fixed_s = replay_s = 0.0
+        if batch_writes and v["batch_steps"]:
+            diff_bytes_per_step = v["batch_bytes"] / v["batch_steps"]
+            fixed_s = statistics.median(max(0.0, s - b / bandwidth) for s, b in batch_writes)
+        if v["replay_record_s"] is not None:
+            replay_s = v["replay_record_s"]       # what resumes of this directory really took
+        elif v["optimizer_step_s"] is not None:
+            # Reading assumes the read bandwidth equals the write bandwidth (docs/controller.md);
+            # copying a record into the gradients costs about what copying it out did (record_s).
+            replay_s = replay_estimate(v["optimizer_step_s"], in_thread_s, diff_bytes_per_step / bandwidth,
+                                       v["decode_s"] or 0.0, _replay_workers())
+        load_s = v["load_s"] if v["load_s"] is not None else v["full_bytes"] / bandwidth
         return Costs(step_s=step_s, record_s=record_s, stall_s=self._full_cost_locked(), persist_s=v["persist_s"],
                      full_bytes=v["full_bytes"], batch_fixed_s=fixed_s, diff_bytes_per_step=diff_bytes_per_step,
-                     write_bytes_per_s=bandwidth, replay_s=replay_s, load_s=v["full_bytes"] / bandwidth)
+                     write_bytes_per_s=bandwidth, replay_s=replay_s, load_s=load_s, restart_s=v["restart_s"] or 0.0)
 
     def _full_cost_locked(self) -> float:
         """What one full checkpoint costs the training thread: its stall, plus what the steps
-        overlapping its persist took longer than the others (about persist / busy-step of them)."""
-        stall_s, busy_s = self._windows["stall_s"].value or 0.0, self._windows["busy_step_s"].value
-        clean_s, persist_s = self._windows["step_s"].value, self._windows["persist_s"].value or 0.0
-        if busy_s is None or clean_s is None or busy_s <= clean_s:
-            return stall_s
-        return stall_s + (busy_s - clean_s) * persist_s / busy_s
+        overlapping its persist took longer than the others (about persist / busy-step of them).
+        Compared within the steps with differentials, or else within those without."""
+        stall_s, persist_s = self._windows["stall_s"].value or 0.0, self._windows["persist_s"].value or 0.0
+        for busy, clean in (("busy_step_s", "step_s"), ("bare_busy_step_s", "bare_step_s")):
+            busy_s, clean_s = self._windows[busy].value, self._windows[clean].value
+            if busy_s is not None and clean_s is not None:
+                return stall_s + max(0.0, busy_s - clean_s) * persist_s / busy_s
+        return stall_s
 
     # decisions --------------------------------------------------------------
+    def _evaluate_in_force_locked(self, costs: Costs) -> Evaluation:
+        return evaluate(costs, self.limits, self.full_every, self.batch_steps if self.differentials else None)
+
     def _resolve_locked(self, why: str) -> None:
         """Solve the model again; apply its answer if it beats the settings in force by the
         hysteresis margin, or if those break a constraint. The caller holds the lock."""
@@ -210,24 +354,32 @@ class Controller:
         costs = self._costs_locked()
         if costs is None:
             return
-        self.current = evaluate(costs, self.limits, self.full_every, self.batch_steps)
-        if not (self.auto_full or self.auto_batch):
+        measured = self._differentials_measured_locked()
+        if self.differentials and not measured:
+            return   # the costs of what is in force are not known yet
+        self.current = self._evaluate_in_force_locked(costs)
+        if not (self.auto_full or self.auto_batch or self.auto_differentials):
             return
-        best = solve(costs, self.limits, full_every=None if self.auto_full else self.full_every,
+        # Differentials are judged only once measured; without consent ("auto") they stay as set.
+        choice: bool | str = "auto" if self.auto_differentials and measured else self.differentials
+        best = solve(costs, self.limits, differentials=choice, full_every=None if self.auto_full else self.full_every,
                      batch_steps=None if self.auto_batch else self.batch_steps)
         decide = choose(self.current, best, first=not self.history)
         if decide is None:
             return
         reason = f"{why}: {decide}"
-        assert best.batch_steps is not None  # solved with differentials
         self.history.append(Decision(self._steps_seen, time.perf_counter() - self._started, best.full_every,
                                      best.batch_steps, best.waste, self.current.waste, reason,
                                      dataclasses.asdict(costs)))
-        log.info("lowdiff controller: full_every %d -> %d, batch_steps %d -> %d (%s); predicted waste %.4f%% "
+        log.info("lowdiff controller: full_every %d -> %d, batch_steps %s -> %s (%s); predicted waste %.4f%% "
                  "(was %.4f%%), constraints broken before: %s; inputs: %s", self.full_every, best.full_every,
-                 self.batch_steps, best.batch_steps, reason, 100 * best.waste, 100 * self.current.waste,
-                 ", ".join(self.current.violated) or "none", _short(dataclasses.asdict(costs)))
-        self.full_every, self.batch_steps = best.full_every, best.batch_steps
+                 self.current.batch_steps or "off", best.batch_steps or "off", reason, 100 * best.waste,
+                 100 * self.current.waste, ", ".join(self.current.violated) or "none",
+                 _short(dataclasses.asdict(costs)))
+        self.full_every = best.full_every
+        self.differentials = best.batch_steps is not None
+        if best.batch_steps is not None:
+            self.batch_steps = best.batch_steps   # kept while off: the size to use if they return
         self.current = best
 
     # reports ----------------------------------------------------------------
@@ -248,6 +400,7 @@ class Controller:
             out[f"{key}_max_ms"] = max(values) * 1e3 if values else None
         out["controller"] = {
             "auto_full": self.auto_full, "auto_batch": self.auto_batch,
+            "auto_differentials": self.auto_differentials, "differentials": self.differentials,
             "failure_rate_per_hour": self.limits.failure_rate_per_s * 3600.0,
             "max_recovery_s": self.limits.max_recovery_s,
             "costs": dataclasses.asdict(costs) if costs is not None else None,
@@ -259,6 +412,7 @@ class Controller:
         """The settings in force and the medians they were chosen from."""
         with self._lock:
             return {"full_every": self.full_every, "batch_steps": self.batch_steps,
+                    "differentials": self.differentials, "auto_differentials": self.auto_differentials,
                     "auto_full": self.auto_full, "auto_batch": self.auto_batch,
                     "step_s": self._windows["step_s"].value, "stall_s": self._windows["stall_s"].value,
                     "persist_s": self._windows["persist_s"].value, "decisions": len(self.history)}

@@ -176,13 +176,20 @@ def _best_full_every(costs: Costs, limits: Limits, batch_steps: int | None, lo: 
     return min((evaluate(costs, limits, f, batch_steps) for f in range(lo, hi + 1)), key=lambda e: e.waste)
 
 
-def solve(costs: Costs, limits: Limits, *, differentials: bool = True, full_every: int | None = None,
+def solve(costs: Costs, limits: Limits, *, differentials: bool | str = True, full_every: int | None = None,
           batch_steps: int | None = None) -> Evaluation:
     """The (F, B) of least expected waste that meets every constraint; ``full_every`` or
     ``batch_steps`` given: that one is fixed and only the other is chosen; ``differentials=False``:
-    the best F for full checkpoints only. When ``max_recovery_s`` cannot be met, the best setting
-    without that bound is returned with "recovery" in ``violated``; when nothing keeps the writers
-    within the bandwidth, the least-utilising setting is returned likewise."""
+    the best F for full checkpoints only; ``differentials="auto"``: the better of the two (a
+    feasible setting before one that breaks a constraint). When ``max_recovery_s`` cannot be met,
+    the best setting without that bound is returned with "recovery" in ``violated``; when nothing
+    keeps the writers within the bandwidth, the least-utilising setting is returned likewise."""
+    if differentials == "auto":
+        both = [solve(costs, limits, differentials=d, full_every=full_every, batch_steps=batch_steps)
+                for d in (True, False)]
+        return min(both, key=lambda e: (len(e.violated), e.waste))
+    if not isinstance(differentials, bool):
+        raise ValueError(f"differentials={differentials!r} must be True, False or 'auto'")
     for recovery_bound in (True, False):
         best = _search(costs, limits, differentials, recovery_bound, full_every, batch_steps)
         if best is not None:
@@ -197,6 +204,13 @@ def solve(costs: Costs, limits: Limits, *, differentials: bool = True, full_ever
         best = evaluate(costs, relaxed, full_every or limits.max_full_every,
                         (batch_steps or 1) if differentials else None)
     return evaluate(costs, limits, best.full_every, best.batch_steps)
+
+
+def replay_estimate(optimizer_step_s: float, copy_s: float, read_s: float, decode_s: float, workers: int) -> float:
+    """Replay time per differential before any resume was measured. recovery.replay applies records
+    in order on one thread (copy into the gradients + optimizer step) while ``workers`` threads read
+    and decode the next ones: per record, the slower of the two stages (not their sum)."""
+    return max(optimizer_step_s + copy_s, (read_s + decode_s) / max(1, workers))
 
 
 def _memory_batch_cap(costs: Costs, limits: Limits) -> int:
@@ -279,6 +293,7 @@ def tune_table(costs: Costs, limits: Limits,
     full checkpoints only, and ``fixed`` (full_every, batch_steps) settings, each with the model's
     prediction."""
     rows = [("recommended", solve(costs, limits)),
+            ("recommended, diffs auto", solve(costs, limits, differentials="auto")),
             ("best full-only", solve(costs, limits, differentials=False)),
             ("Young/Daly, full-only", evaluate(costs, limits, young_daly_full_every(costs, limits), None)),
             ("CheckFreq, full-only", evaluate(costs, limits, checkfreq_full_every(costs), None))]

@@ -7,6 +7,8 @@ built by lowdiff.stepcapture and handed over here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .background import DiffWriter, FullWriter
 from .controller import Controller
 from .drainer import open_tiers
@@ -58,6 +60,10 @@ class CheckpointSession:
                                 batch_format=partition, drop_covered=config.replica)
         self.fulls = FullWriter(self.store, self.controller, engine,
                                 snapshot=None if partition is None else partition.snapshot())
+        self.controller.load_state(self.directory)   # measurements of earlier sessions (CONTROLLER.json)
+        self.recording = self.controller.differentials   # differentials in force (see begin_step)
+        self._switch_on = False           # differentials start again after the next full checkpoint
+        self._unrecorded: tuple | None = None   # (step, boundary objects) of the newest step not recorded
         self.closed = False
         self.base_taken = False
         self._resumed = False
@@ -95,10 +101,38 @@ class CheckpointSession:
             return True
         return False
 
+    def begin_step(self) -> bool:
+        """Before the optimizer step: whether this step records a differential. They stop at once
+        when the controller says so (the open batch is sealed: the steps before stay replayable),
+        and start again only after a full checkpoint — the step that sees the change takes one at
+        its end, and the next step records the first differential after it."""
+        wanted = self.controller.differentials
+        if wanted and not self.recording:
+            self._full_due = self._switch_on = True
+        elif not wanted and self.recording:
+            self.recording = False
+            self.diffs.seal()
+        return self.recording
+
+    def hold_unrecorded(self, step: int, objects: dict) -> None:
+        """Without differentials: the boundary objects of ``step``, for ``save_unrecorded``."""
+        self._unrecorded = (step, objects)
+
+    def save_unrecorded(self, full_checkpoint: Callable[[dict], tuple[dict, dict]]) -> None:
+        """Without differentials the steps after the last full checkpoint are only in memory (flush
+        and close must make them durable): take a full checkpoint of the newest one now, with
+        ``full_checkpoint(objects)`` (lowdiff.stepcapture) building its state."""
+        if self._unrecorded is not None and self._unrecorded[0] > self._last_full_step:
+            step, objects = self._unrecorded
+            self._unrecorded = None
+            self.take_full(step, *full_checkpoint(objects), base=False)
+
     def take_full(self, step: int, state: dict, meta: dict, base: bool) -> None:
         """Persist ``state`` (see lowdiff.stepcapture) as the full checkpoint of ``step`` in the
         background; ``base`` for the first one of this run."""
         self._last_full_step = step
+        if self._switch_on:
+            self.recording, self._switch_on = True, False
         self.fulls.take(step, state, meta, base)
         # Close the batch ending at this step, so the chain from the previous full checkpoint
         # reaches it (queued before any later record).
@@ -155,6 +189,7 @@ class CheckpointSession:
             self.diffs.close()
         finally:
             self.fulls.close()
+        self.controller.save_state()   # what this session measured since its last full checkpoint
         self.check_writers()
         if self.drainer is not None:
             self.drainer.close()   # everything committed locally reaches the shared tier
@@ -173,7 +208,8 @@ class CheckpointSession:
     def stats(self, step: int, outside_changes: int) -> dict:
         """See LowDiffOptimizer.stats."""
         out = {"step": step, "full_every": self.controller.full_every,
-               "batch_steps": self.controller.batch_steps, "background_copy": self.fulls.background_copy,
+               "batch_steps": self.controller.batch_steps, "differentials": self.recording,
+               "background_copy": self.fulls.background_copy,
                "outside_changes": outside_changes,
                **self.controller.stats()}
         if self.drainer is not None:

@@ -83,7 +83,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                  overwrite: bool = False, failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
                  batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
                  replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None,
-                 shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None) -> None:
+                 shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None,
+                 differentials: bool | Literal["auto"] = True) -> None:
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
@@ -96,10 +97,14 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                                  max_pending_batches=max_pending_batches, overwrite=overwrite,
                                  failure_rate_per_hour=failure_rate_per_hour, max_recovery_s=max_recovery_s,
                                  batch_memory_bytes=batch_memory_bytes, boundary=boundary, replica=replica,
-                                 replica_inflight_steps=replica_inflight_steps, tiers=tiers_from(shared_dir, tiers))
+                                 replica_inflight_steps=replica_inflight_steps, tiers=tiers_from(shared_dir, tiers),
+                                 differentials=differentials)
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
+        if differentials is not True and self.world_size > 1:
+            # Ranks would have to agree on every switch (and on every auto full_every) to keep sets complete.
+            raise ValueError(f"differentials={differentials!r} is not supported under torch.distributed yet")
         if replica:
             check_replica_arguments(self._capture.compressor, model, self.world_size)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
@@ -203,17 +208,22 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         session.fulls.release()
         capture_started = time.perf_counter()
         groups_used = capture.hyperparameters()
-        if skipped:
+        recording = session.begin_step() if replica is None else True
+        # Without differentials a Dense gradient need not be copied; TopK still sparsifies the
+        # gradient the optimizer consumes (that is the training's math), unrecorded.
+        if skipped or not (recording or capture.compressor.name != "dense"):
             grads = None
         else:
             grads = capture.compress_gradients() if replica is None else replica.gradients()
+            if not recording:
+                grads = None
         started = time.perf_counter()
         if not skipped:
             self.optimizer.step()
         self.step_count += 1
         try:
             optimizer_s = time.perf_counter() - started
-            session.controller.step_finished(optimizer_s)
+            session.controller.step_finished(optimizer_s, recording)
             if self.scheduler is not None:
                 self.scheduler.step()
         except BaseException:
@@ -257,12 +267,15 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             record = capture.record(self.step_count, skipped, grads, groups_used)
             if self._replica is not None:
                 self._replica.submit(record)   # a differential, and applied to the replica in the background
-            else:
+            elif session.recording:
                 session.diffs.put(record)
+            else:
+                session.hold_unrecorded(self.step_count, record.objects)
             recorded = True
             self._schedulers.step_finished()
-            # What recording cost this step: all but the optimizer step (the controller's record_s).
-            session.controller.step_recorded(time.perf_counter() - capture_started - optimizer_s)
+            if session.recording or self._replica is not None:
+                # What recording cost this step: all but the optimizer step (the controller's record_s).
+                session.controller.step_recorded(time.perf_counter() - capture_started - optimizer_s)
             faults.point("record")
             if self._replica is not None:
                 pass   # the replica worker takes the full checkpoints
@@ -329,6 +342,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 self._record_boundary()
             if self._replica is not None:
                 self._replica.flush()
+            self._session.save_unrecorded(self._capture.full_checkpoint)   # differentials off
             self._session.flush()
 
     def close(self) -> None:
@@ -345,6 +359,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 try:
                     if self._replica is not None:
                         self._replica.close()
+                    self._session.save_unrecorded(self._capture.full_checkpoint)   # differentials off
                 finally:
                     self._session.close_writers()
         finally:
@@ -368,7 +383,8 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
          failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
          batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
          replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None,
-         shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None) -> LowDiffOptimizer:
+         shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None,
+         differentials: bool | Literal["auto"] = True) -> LowDiffOptimizer:
     """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer.
     ``full_every``/``batch_steps="auto"``: chosen by the controller (docs/controller.md) from costs
     measured while training and ``failure_rate_per_hour``, within ``max_recovery_s`` (load + replay
@@ -379,11 +395,16 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: st
     most ``replica_inflight_steps`` captured steps waiting to be applied. ``shared_dir`` (or
     ``tiers=lowdiff.tiers.Tiers(...)`` with retention policies and a lag bound): storage tiers —
     ``directory`` is the fast local tier, and every committed file is copied to the shared one in
-    the background (lowdiff.drainer; ``close()`` waits until it is all there)."""
+    the background (lowdiff.drainer; ``close()`` waits until it is all there).
+    ``differentials``: True (default) records every step, so a crash loses at most about two
+    batches; False takes full checkpoints only (every ``full_every`` steps, and at ``flush()`` and
+    ``close()``), so a crash loses the steps since the last one; "auto" lets the controller switch
+    them off while the cost model says recording costs more than it saves, and on again — give it
+    only if losing up to ``full_every`` steps is acceptable (docs/controller.md)."""
     return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
                             batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
                             keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
                             overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour,
                             max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes,
                             boundary=boundary, replica=replica, replica_inflight_steps=replica_inflight_steps,
-                            engine=engine, shared_dir=shared_dir, tiers=tiers)
+                            engine=engine, shared_dir=shared_dir, tiers=tiers, differentials=differentials)

@@ -35,6 +35,7 @@ class ReplayTimes:
     read_s: float = 0.0
     decode_s: float = 0.0
     apply_s: float = 0.0
+    wall_s: float = 0.0        # from the first read to the last apply: what replay added to resume
     records: int = 0
     workers: int = 1
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
@@ -96,6 +97,7 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     ``workers`` decoding threads (default: ``default_workers()``) and at most ``window`` records
     in flight (default: 4 per worker). Returns (last step, its record); adds timings to ``times``."""
     workers = default_workers() if workers is None else check_workers(workers)
+    wall_started = time.perf_counter()
     window = window or 4 * workers
     times = times if times is not None else ReplayTimes()
     times.workers = workers
@@ -132,6 +134,7 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
                 if isinstance(item, concurrent.futures.Future):
                     item.cancel()
             buffers.detach()
+            times.wall_s += time.perf_counter() - wall_started
     return step, last
 
 

@@ -62,8 +62,8 @@ class Resumed(int):
     checkpoints it could not use; ``abandoned`` newer steps of the directory it did not go to (they
     are dropped when a wrapped optimizer commits its first full checkpoint); ``load_s``,
     ``read_s``, ``decode_s``, ``apply_s`` where the time went (seconds; read and decode overlap
-    the apply); with storage tiers, ``tier`` ("local" or "shared") and ``directory`` say where the
-    state came from ("" without tiers).
+    the apply) and ``replay_s`` the wall-clock time of the replay; with storage tiers, ``tier``
+    ("local" or "shared") and ``directory`` say where the state came from ("" without tiers).
     """
 
     full_step: int
@@ -75,6 +75,7 @@ class Resumed(int):
     read_s: float
     decode_s: float
     apply_s: float
+    replay_s: float
     tier: str
     directory: str
 
@@ -90,6 +91,7 @@ class Resumed(int):
         self.load_s = restored.load_s if restored else 0.0
         self.read_s, self.decode_s, self.apply_s = ((times.read_s, times.decode_s, times.apply_s) if times
                                                     else (0.0, 0.0, 0.0))
+        self.replay_s = getattr(times, "wall_s", 0.0)
         self.tier, self.directory = "", restored.directory if restored else ""
         return self
 
@@ -146,6 +148,7 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     if restored is None:
         if wrapper is not None:
             wrapper.continue_after(0)
+            wrapper.controller.resumed(0.0, 0.0, 0)   # the start-up time of a first run is a restart's too
         return Resumed(0)
     apply_boundary(restored.boundary, targets.model, targets.scheduler, targets.extra_state if own else {},
                    targets.grad_scaler, f"step {restored.step} of {directory}")
@@ -162,6 +165,8 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
                  f"{result.abandoned[0]}..{result.abandoned[1]}: training on writes a new timeline from step "
                  f"{restored.step}, and its first full checkpoint drops the old one's files")
         wrapper.continue_after(restored.step, {int(k): v.clone() for k, v in residuals.items()})
+        # What this restart cost, for the controller's model (kept in CONTROLLER.json).
+        wrapper.controller.resumed(result.load_s, result.replay_s, result.replayed if result.replay_s > 0 else 0)
     return result
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lowdiff.costmodel import (Costs, Limits, checkfreq_full_every, evaluate, solve,
+from lowdiff.costmodel import (Costs, Limits, checkfreq_full_every, evaluate, replay_estimate, solve,
                                young_daly_full_every)
 
 PER_HOUR = 1 / 3600
@@ -105,3 +105,27 @@ def test_waste_grows_with_failure_rate_and_checkfreq_backs_off():
 def test_costs_refuse_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         costs(**{field: value})
+
+
+@pytest.mark.parametrize("record_s,off", [(0.0005, False), (0.01, True)])
+def test_differentials_auto_takes_the_better_of_the_two(record_s, off):
+    """With fulls stalling 5 steps, recording 0.5% of a step saves more (lost work, rarer fulls)
+    than it costs; 10% does not."""
+    c, limits = costs(record_s=record_s, stall_s=0.5), Limits(failure_rate_per_s=PER_HOUR)
+    best = solve(c, limits, differentials="auto")
+    with_diffs, full_only = solve(c, limits), solve(c, limits, differentials=False)
+    assert (best.batch_steps is None) == off
+    assert best.waste == min(with_diffs.waste, full_only.waste)
+    assert solve(c, limits).batch_steps is not None    # without consent they stay
+
+
+def test_differentials_auto_keeps_a_fixed_setting_fixed():
+    c, limits = costs(record_s=0.02, stall_s=0.005), Limits(failure_rate_per_s=PER_HOUR)
+    best = solve(c, limits, differentials="auto", full_every=40)
+    assert best.full_every == 40 and best.batch_steps is None
+
+
+def test_replay_estimate_is_the_slower_stage_of_the_pipeline():
+    assert replay_estimate(0.01, 0.002, 0.004, 0.02, workers=2) == pytest.approx(0.012)   # apply bound
+    assert replay_estimate(0.01, 0.002, 0.01, 0.04, workers=2) == pytest.approx(0.025)    # decode bound
+    assert replay_estimate(0.01, 0.0, 0.01, 0.04, workers=1) == pytest.approx(0.05)

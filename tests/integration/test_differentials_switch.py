@@ -1,0 +1,103 @@
+"""differentials=False / "auto": full checkpoints only, or differentials switched off and on as the
+controller decides. Training is unchanged (TopK still sparsifies what the optimizer consumes),
+every step that is durable resumes exactly, flush() and close() make the newest step durable, and
+measurements are kept in CONTROLLER.json for the next session."""
+import json
+
+import pytest
+
+import recovery
+from lowdiff.errors import NoCheckpointError
+from lowdiff_helpers import build, reference_digests, train_steps, wrap
+
+STEPS = 30
+
+
+def _resume(directory, step=None):
+    from lowdiff.demo import state_digest
+
+    model, opt, sched, sampler = build()
+    got = recovery.resume(str(directory), model, opt, step=step, scheduler=sched, extra_state={"sampler": sampler})
+    return int(got), state_digest(model, opt, sched, sampler)
+
+
+def test_switching_differentials_off_and_on_keeps_training_and_resume_exact(tmp_path, rng):
+    """The controller's switch is flipped every few steps (as its decisions would, from another
+    thread): steps recorded while on, and full checkpoints, resume exactly; the others are not
+    retained (and say so); the run itself equals the uninterrupted run without lowdiff."""
+    reference = reference_digests(STEPS)
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, differentials="auto", keep_full=100)
+    modes, durable = {}, set()
+
+    def flip(step):
+        modes[step] = opt._session.recording
+        durable.update(range(opt._session._last_full_step, step + 1) if modes[step] else [opt._session._last_full_step])
+        if step % 4 == 0:
+            opt.controller.differentials = bool(rng.integers(0, 2))
+            opt.controller.full_every = int(rng.integers(3, 8))
+
+    try:
+        train_steps(model, opt, sched, sampler, 0, STEPS, flip)
+        assert opt.stats()["differentials"] == modes[STEPS]
+        opt.flush()
+    finally:
+        opt.close()
+    assert True in modes.values() and False in modes.values()
+    # The durable steps around every switch, and a sample of the others (each resume costs ~0.3 s).
+    switches = {s for s in modes if s + 1 in modes and modes[s] != modes[s + 1]}
+    around = {s + d for s in switches for d in (-1, 0, 1, 2)} & durable
+    sample = around | set(rng.choice(sorted(durable), size=min(6, len(durable)), replace=False).tolist()) | {STEPS}
+    for step in sorted(sample):
+        assert _resume(directory, step) == (step, reference[step]), f"step {step} (modes {modes})"
+    skipped = [s for s in range(STEPS) if s not in durable]
+    assert skipped, modes
+    with pytest.raises(NoCheckpointError):
+        _resume(directory, skipped[0])
+
+
+def test_full_only_flush_and_close_make_the_newest_step_durable(tmp_path):
+    reference = reference_digests(13)
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, differentials=False, full_every=5)
+    train_steps(model, opt, sched, sampler, 0, 7)
+    assert opt.durable_step < 7 and not opt.stats()["differentials"]
+    opt.flush()
+    assert opt.durable_step == 7
+    train_steps(model, opt, sched, sampler, 7, 13)
+    opt.close()
+    assert not [f for f in (directory).iterdir() if f.suffix == ".ldd"]   # no differential written
+    assert _resume(directory) == (13, reference[13])
+    assert _resume(directory, 12) == (12, reference[12])   # full_every counts from the flush at 7
+    state = json.loads((directory / "CONTROLLER.json").read_text())
+    assert state["settings"]["differentials"] is False and state["samples"]["bare_step_s"]
+
+
+def test_a_new_session_starts_from_the_last_ones_measurements(tmp_path):
+    """With everything auto, a resumed session starts with the settings and costs the previous one
+    kept, and its resume (load, replay, restart) is measured."""
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, full_every="auto", batch_steps="auto",
+               differentials="auto", failure_rate_per_hour=3.6e4)
+    recovery.resume(str(directory), model, opt)
+    train_steps(model, opt, sched, sampler, 0, 20)
+    opt.close()
+    kept = json.loads((directory / "CONTROLLER.json").read_text())
+    assert kept["samples"]["restart_s"] and kept["samples"]["persist_s"]
+
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, full_every="auto", batch_steps="auto",
+               differentials="auto", failure_rate_per_hour=3.6e4)
+    try:
+        first = opt.controller.history[0]
+        assert "earlier sessions" in first.reason
+        assert (first.full_every, first.batch_steps is not None) == (kept["settings"]["full_every"],
+                                                                    kept["settings"]["differentials"])
+        start = recovery.resume(str(directory), model, opt)
+        assert start == 20
+        assert len(opt.controller._windows["restart_s"].samples) == len(kept["samples"]["restart_s"]) + 1
+    finally:
+        opt.close()
