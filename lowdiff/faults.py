@@ -19,6 +19,10 @@ With storage tiers (lowdiff.tiers), the drainer copying committed files to the s
 ``drain-commit``    the copy is committed under its name; the shared manifest does not list it yet
 ``clean``           between two deletions of files the shared tier's committed manifest dropped
 
+In a partitioned directory resumed with fewer ranks (lowdiff.shareretention):
+
+``dropped-clean``   between two deletions of a dropped rank's files its committed manifest dropped
+
 Without the variable ``point`` is a dictionary lookup; nothing else changes.
 """
 from __future__ import annotations
@@ -32,15 +36,16 @@ PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", 
 # Reached only with a shared tier (lowdiff.drainer): kept apart so that a single-directory run's
 # list of phases (which tests crash at, one by one) stays as it is.
 TIER_PHASES = ("drain-write", "drain-commit", "clean")
+PARTITION_PHASES = ("dropped-clean",)
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
     if not spec:
         return None
     phase, _, count = spec.partition(":")
-    if phase not in PHASES + TIER_PHASES or not count.isdigit() or int(count) < 1:
+    if phase not in PHASES + TIER_PHASES + PARTITION_PHASES or not count.isdigit() or int(count) < 1:
         raise ValueError(f"LOWDIFF_FAULT={spec!r}: expected PHASE:N with PHASE one of "
-                         f"{', '.join(PHASES + TIER_PHASES)} and N >= 1")
+                         f"{', '.join(PHASES + TIER_PHASES + PARTITION_PHASES)} and N >= 1")
     return phase, int(count)
 
 

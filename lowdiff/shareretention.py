@@ -44,9 +44,12 @@ class DroppedRanks:
         for rank, path in sorted(rank_directories(partition.root).items()):
             if rank >= partition.world and rank % partition.world == partition.rank:
                 try:
-                    self.stores.append(CheckpointStore(path, keep_full))
+                    store = CheckpointStore(path, keep_full)
                 except CheckpointLockedError as exc:   # a process of the earlier job still runs
                     log.warning("lowdiff: %s; its old shares are not cleaned by this run", exc)
+                    continue
+                store.clean_point = "dropped-clean"     # (lowdiff.faults)
+                self.stores.append(store)
         self._fulls: list | None = None
 
     def attach(self, store: CheckpointStore) -> None:

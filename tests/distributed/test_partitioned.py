@@ -360,7 +360,14 @@ def test_retention_cleans_the_ranks_a_resumed_run_dropped(tmp_path, reference, c
     assert set(kept) < set(old)
     assert cli(["verify", str(copy)]) == 0
     capsys.readouterr()
-    ok(launch(copy, tmp_path / "one", 1, steps=32))   # two newer complete sets of 1 share: the old go
+    # Two newer complete sets of 1 share: the old go. Killed after the first deletion in rank-00001/:
+    # its committed manifest lists only files that exist, and the next start finishes the deletions.
+    killed = launch(copy, tmp_path / "killed", 1, steps=32, fault_rank=0, fault="dropped-clean:1")
+    assert killed[0][0] == -9
+    listed = read_manifest(str(copy / "rank-00001")).files()
+    assert listed < set(kept) and listed <= set(_checkpoint_files(copy / "rank-00001"))
+    assert _checkpoint_files(copy / "rank-00001") != sorted(listed)   # retired files are left over
+    ok(launch(copy, tmp_path / "one", 1, steps=32))
     assert _checkpoint_files(copy / "rank-00001") == []
     assert len([n for n in _checkpoint_files(copy / "rank-00000") if n.startswith("full-")]) == 2
     assert cli(["verify", str(copy)]) == 0
