@@ -175,7 +175,7 @@ class DiffWriter:
         continue that checkpoint."""
         if not self._drop_covered or not pending:
             return pending
-        covered = self.store.newest_full_step()
+        covered = self.store.newest_full_step(since=pending[0].step)
         dropped = 0
         while dropped < len(pending) and pending[dropped].step <= covered:
             dropped += 1

@@ -50,7 +50,10 @@ class GradientStaging:
     ``take()`` in step() -> ``acquire()`` once the taken set is handed over. Any thread:
     ``give_back(set)``. ``close()`` removes the hooks."""
 
-    def __init__(self, params: list, sets: int):
+    def __init__(self, params: list, sets: int, hooks: bool = True):
+        """``hooks=False``: no layer-wise capture, ``take()`` copies every gradient (under DDP the
+        gradient the optimizer consumes is the all-reduced one, written into ``.grad`` at the end
+        of backward, after the hooks fired on the local one)."""
         if sets < 1:
             raise ValueError(f"sets={sets} must be >= 1")
         self.params = params
@@ -63,7 +66,8 @@ class GradientStaging:
         self.current: GradientSet | None = None
         self.hook_copies = 0       # gradients staged by a hook and used as is
         self.step_copies = 0       # gradients (re)copied in step(): changed after backward, or no hook ran
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(slot)) for slot, p in enumerate(params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(slot))
+                         for slot, p in enumerate(params)] if hooks else []
         self.acquire()
 
     def _hook_for(self, slot: int):

@@ -75,13 +75,20 @@ def build_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, para
 class Replica:
     """The replica of one wrapped optimizer and its worker (see the module docstring)."""
 
-    def __init__(self, capture: StepCapture, store, config, inflight_steps: int, diffs, engine=None):
-        """``diffs``: the session's DiffWriter (with ``drop_covered``), which records every step."""
+    def __init__(self, capture: StepCapture, store, config, inflight_steps: int, diffs, engine=None,
+                 partition=None, layerwise: bool = True):
+        """``diffs``: the session's DiffWriter (with ``drop_covered``), which records every step.
+        ``partition`` (lowdiff.partition, under torch.distributed): every rank keeps a whole replica
+        (the all-reduced gradients are the same on every rank, and so are the replicas) and writes
+        its share of each replica checkpoint, at the same steps as every other rank so that the
+        shares form complete sets. ``layerwise=False``: no post-accumulate-grad hooks (DDP)."""
         self.training = capture
         self.diffs = diffs
         self.full_every = int(config.full_every)
         self.inflight_steps = inflight_steps
-        self.staging = GradientStaging(capture.params, sets=inflight_steps)
+        self.staging = GradientStaging(capture.params, sets=inflight_steps, hooks=layerwise)
+        # A skipped persist would leave the other ranks' shares of that step an incomplete set.
+        self._skip_when_busy = partition is None
         self._queue: queue.Queue = queue.Queue()
         # Backpressure: at most ``inflight_steps`` steps handed to the worker and not applied yet
         # (steps skipped by GradScaler, without gradients, count too).
@@ -90,7 +97,8 @@ class Replica:
         self.waiting = False      # the training thread waits for the worker now
         # Its own writer and controller: a replica checkpoint costs training no stall, and its
         # timings must not steer the controller's choices for the training thread's checkpoints.
-        self.fulls = FullWriter(store, Controller(config), engine, background_copy=False)
+        self.fulls = FullWriter(store, Controller(config), engine, background_copy=False,
+                                snapshot=None if partition is None else partition.snapshot())
         self._errors = _ErrorSlot(store.durable_step)
         self._thread: threading.Thread | None = None
         self._taken: GradientSet | None = None
@@ -265,7 +273,7 @@ class Replica:
             self.staging.give_back(item.gset)
             item.gset = None
         if item.adopted or record.step - self.persist_step >= self.full_every:
-            if self.fulls.busy() and not item.adopted:
+            if self._skip_when_busy and self.fulls.busy() and not item.adopted:
                 # The previous replica checkpoint is still being written: persist a later step
                 # rather than hold the worker (and so training) back.
                 self.counts["persists_skipped_busy"] += 1
@@ -285,14 +293,10 @@ class Replica:
         self.counts["persists"] += 1
 
 
-def check_replica_arguments(compressor, model: torch.nn.Module, world_size: int) -> None:
+def check_replica_arguments(compressor) -> None:
     """Refuse, before anything is written, what replica mode cannot replicate exactly."""
     from .compress import Dense
-    from .ddp import is_ddp
 
     if not isinstance(compressor, Dense):
         raise ValueError(f"replica=True applies the dense gradient the optimizer consumed; use "
                          f"compressor=lowdiff.Dense(), not {compressor!r}")
-    if is_ddp(model) or world_size > 1:
-        raise ValueError("replica=True is not supported under torch.distributed yet; use a differential "
-                         "compressor (lowdiff.Dense() or lowdiff.TopK()) without replica")

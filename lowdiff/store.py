@@ -105,10 +105,17 @@ class CheckpointStore:
             manifest = self.manifest
         return manifest.durable_step() if self.shares_durable is None else self.shares_durable(manifest)
 
-    def newest_full_step(self) -> int:
-        """The step of the newest full checkpoint this session committed (-1: none yet)."""
+    def newest_full_step(self, since: int = 0) -> int:
+        """The step of the newest full checkpoint of this session a resume can start from (-1: none
+        at or after step ``since``): committed, and in a partitioned directory with its set
+        complete (which reads the other ranks' manifests: ``since`` spares that when no newer one
+        of this rank could be)."""
         with self._mutex:
-            return max((f.step for f in self.manifest.fulls if f.session == self.session), default=-1)
+            fulls = [f for f in self.manifest.fulls if f.session == self.session and f.step >= since]
+        if self._complete is not None and fulls:
+            done = self._complete(fulls)
+            fulls = [f for f in fulls if (f.step, f.session) in done]
+        return max((f.step for f in fulls), default=-1)
 
     def latest_step(self) -> int:
         """The newest step any committed entry mentions (-1 for an empty directory)."""

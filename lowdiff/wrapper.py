@@ -25,7 +25,7 @@ from . import faults, loopchecks
 from .compress import Dense, TopK
 from .config import Scheduler, Stateful, WrapConfig, check_wrap_arguments
 from .controller import Controller
-from .ddp import distributed_rank
+from .ddp import distributed_rank, is_ddp
 from .errors import CheckpointError
 from .lifecycle import Busy, install_exit_hooks, live
 from .replica import Replica, check_replica_arguments
@@ -106,7 +106,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # Ranks would have to agree on every switch (and on every auto full_every) to keep sets complete.
             raise ValueError(f"differentials={differentials!r} is not supported under torch.distributed yet")
         if replica:
-            check_replica_arguments(self._capture.compressor, model, self.world_size)
+            check_replica_arguments(self._capture.compressor)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.partition).
         partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
@@ -114,7 +114,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # Replica mode (LowDiff+): a background replica persisted as full checkpoints; differentials
         # only for the steps since the newest persisted replica.
         self._replica = Replica(self._capture, self._session.store, self.config, replica_inflight_steps,
-                                self._session.diffs, engine) if replica else None
+                                self._session.diffs, engine, partition=partition,
+                                layerwise=not is_ddp(model)) if replica else None
         self.step_count = 0
         self._capture.capture_base_boundary()
         self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})

@@ -128,6 +128,7 @@ def main():
     p.add_argument("--bucket-view", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--flush", action="store_true", help="flush after every step")
+    p.add_argument("--replica", action="store_true", help="replica mode (LowDiff+; with --compressor dense)")
     p.add_argument("--resume-only", action="store_true", help="resume, write the digest line, stop")
     p.add_argument("--travel", type=lambda s: [int(k) for k in s.split(",")],
                    help="resume a plain optimizer at each of these steps (read only), write 'travel K FULL "
@@ -142,7 +143,8 @@ def main():
         time_travel(args, model, ddp, opt, sched, sampler)
         return
     opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), full_every=args.full_every,
-                       batch_steps=args.batch_steps, scheduler=sched, extra_state={"sampler": sampler})
+                       batch_steps=args.batch_steps, scheduler=sched, extra_state={"sampler": sampler},
+                       replica=args.replica)
     start = recovery.resume(args.dir, ddp, opt)
     with open(args.digests, "a") as out:
         out.write(f"resumed {start} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
