@@ -102,8 +102,11 @@ def _last_files(manifest: Manifest, n: int) -> set:
     fulls = sorted(manifest.fulls, key=lambda f: f.step)
     if not fulls:
         return manifest.files()   # nothing to start from yet: nothing may go
-    oldest = fulls[-n:][0].step
-    return {f.file for f in fulls if f.step >= oldest} | {b.file for b in manifest.batches if b.last > oldest}
+    newest = fulls[-n:]
+    oldest = newest[0].step
+    # (A full checkpoint of an earlier session at the step a resumed session's base has is not newer.)
+    return {f.file for f in newest} | {f.file for f in fulls if f.step > oldest} | \
+        {b.file for b in manifest.batches if b.last > oldest}
 
 
 def _every_files(manifest: Manifest, k: int) -> set:

@@ -83,3 +83,30 @@ def test_keep_every_keeps_a_full_whose_batches_have_not_arrived_yet():
     assert kept(KeepEvery(5, last=1).retain(early)) == ([4, 8, 12, 16], [(5, 7), (9, 11)])
     later = run([4, 8, 12, 16], [(5, 7), (9, 11), (13, 15)])
     assert kept(KeepEvery(5, last=1).retain(later)) == ([4, 8, 12, 16], [(5, 7), (9, 11), (13, 15)])
+
+
+def test_keep_last_drops_an_earlier_sessions_full_at_the_step_a_resumed_session_started_from():
+    # Session b resumed at step 8 (its base) and reached 12: a's full of step 8 is not newer than b's.
+    m = Manifest([full(4), full(8), full(8, "bbbbbbbb"), full(12, "bbbbbbbb")],
+                 [batch(5, 6), batch(7, 8), batch(9, 10, "bbbbbbbb"), batch(11, 12, "bbbbbbbb")], run="0" * 16)
+    assert sorted((f.step, f.session) for f in KeepLast(2).retain(m).fulls) == [(8, "bbbbbbbb"), (12, "bbbbbbbb")]
+
+
+def test_partitioned_tier_counts_complete_sets_and_keeps_newer_incomplete_shares():
+    from lowdiff.retention import retain_sets
+
+    def sets(*steps):
+        return {(s, "aaaaaaaa") for s in steps}
+    # Set 12 is not complete yet (another rank's share is not committed): the policy chooses among
+    # 0, 4, 8; share 12 stays, being newer than the oldest full kept.
+    assert kept(retain_sets(KeepLast(2), M, frozenset(), sets(0, 4, 8))) == \
+        ([4, 8, 12], [(5, 6), (7, 8), (9, 10), (11, 12), (13, 14)])
+    # Set 4 never completed and newer complete ones exist: its share goes.
+    assert kept(retain_sets(KeepLast(2), M, frozenset(), sets(0, 8, 12))) == \
+        ([8, 12], [(9, 10), (11, 12), (13, 14)])
+    # Unless pinned (not yet drained to the shared tier).
+    assert kept(retain_sets(KeepLast(1), M, {full(4).file}, sets(0, 8, 12)))[0] == [4, 12]
+    # Nothing complete yet: nothing may go.
+    assert kept(retain_sets(KeepLast(1), M, frozenset(), set())) == kept(M)
+    assert kept(retain_sets(KeepEvery(5, last=1), M, frozenset(), sets(0, 4, 8, 12))) == \
+        kept(KeepEvery(5, last=1).retain(M))

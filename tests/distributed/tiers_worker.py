@@ -1,0 +1,69 @@
+"""One rank of a small DDP run (gloo, CPU) writing a partitioned directory with a shared tier.
+Used by test_partitioned_tiers.py. The model, data, compressor and digest lines are
+partition_worker's (so both tests' digests compare); this adds the tiers and prints, after the
+"resumed" line, "tier NAME" (which tier resume used).
+"""
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from partition_worker import build, compressor, shared_digest
+
+import lowdiff
+import recovery
+from lowdiff.demo import state_digest
+from lowdiff.tiers import KeepAll, KeepLast, Tiers
+
+
+def policy(text):
+    return KeepAll() if text == "all" else KeepLast(int(text.split(":")[1]))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("rank", "world", "port", "steps"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--shared-dir", required=True)
+    p.add_argument("--shared-policy", type=policy, default=KeepLast(2))
+    p.add_argument("--digests", required=True)
+    p.add_argument("--crash-at", type=int)
+    p.add_argument("--crash-ranks", type=lambda s: {int(r) for r in s.split(",")}, default=set())
+    p.add_argument("--resume-only", action="store_true")
+    args = p.parse_args()
+    # partition_worker's build() reads these; this worker does not vary them
+    args.unused, args.bucket_view, args.static_graph = False, False, False
+    torch.set_num_threads(1)
+    if args.world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                                world_size=args.world)
+    model, ddp, opt, sched, sampler = build(args)
+    opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor("topk"), full_every=4, batch_steps=2,
+                       scheduler=sched, extra_state={"sampler": sampler},
+                       tiers=Tiers(args.shared_dir, shared=args.shared_policy))
+    start = recovery.resume(args.dir, ddp, opt)
+    data = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
+    target = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(8))
+    with open(args.digests, "a") as out:
+        out.write(f"resumed {start} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
+        out.write(f"tier {start.tier or '-'}\n")
+        out.flush()
+        for step in range(start, 0 if args.resume_only else args.steps):
+            idx = sampler.next_batch(8)
+            torch.nn.functional.cross_entropy(ddp(data[idx]), target[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.flush()
+            out.write(f"{step + 1} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
+            out.flush()
+            if args.crash_at == step + 1 and args.rank in args.crash_ranks:
+                os.kill(os.getpid(), signal.SIGKILL)
+    opt.close()
+    if args.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
