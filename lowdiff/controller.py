@@ -323,9 +323,10 @@ class Controller:
         if v["replay_record_s"] is not None:
             replay_s = v["replay_record_s"]       # what resumes of this directory really took
         elif v["optimizer_step_s"] is not None:
-            # Reading assumes the read bandwidth equals the write bandwidth (docs/controller.md);
-            # copying a record into the gradients costs about what copying it out did (record_s).
-            replay_s = replay_estimate(v["optimizer_step_s"], in_thread_s, diff_bytes_per_step / bandwidth,
+            # Reading assumes the read bandwidth equals the write bandwidth (docs/controller.md).
+            # Copying a record into the gradients is not timed in training (the training thread's
+            # recording time holds TopK's selection, which replay does not redo): left out.
+            replay_s = replay_estimate(v["optimizer_step_s"], 0.0, diff_bytes_per_step / bandwidth,
                                        v["decode_s"] or 0.0, _replay_workers())
         load_s = v["load_s"] if v["load_s"] is not None else v["full_bytes"] / bandwidth
         return Costs(step_s=step_s, record_s=record_s, stall_s=self._full_cost_locked(), persist_s=v["persist_s"],
