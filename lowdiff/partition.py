@@ -1,5 +1,7 @@
 """lowdiff.partition: how the ranks of a data-parallel run split their checkpoints
-(docs/format.md, "Partitioned directories"), and which sets of shares are complete.
+(docs/format.md, "Partitioned directories"), which sets of shares are complete, the steps their
+chains reach (the durable step, the retained steps) and each rank directory's view (committed, for
+a live trainer's retention; reconciled with the files, for readers).
 
 A ``Partition`` is one rank's part in it: the directory it writes (``rank-NNNNN/`` of the root),
 which tensors of a full checkpoint are shared (parameters and optimizer state, the same on every
