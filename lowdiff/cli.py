@@ -49,19 +49,23 @@ def _note_live_trainer(directory: str) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     directory = _checkpoint_directory(args.directory)
-    if is_partitioned(directory):
-        print("\n".join(shareinspect.describe(directory, _warn)))
-        return 0
-    _inspect_directory(directory)
+    _inspect_any_layout(directory)
     shared = args.shared or tierinspect.shared_dir_of(directory, _warn)
     if shared is not None:   # storage tiers: the shared tier too, then which one resume would take
         print(f"\nshared tier ({tierinspect.describe_policies(directory)})")
         if os.path.isdir(shared):
-            _inspect_directory(shared)
+            _inspect_any_layout(shared)
         else:
             print(f"directory      {shared} (missing)")
         print(tierinspect.resume_choice(directory, shared))
     return 0
+
+
+def _inspect_any_layout(directory: str) -> None:
+    if is_partitioned(directory):
+        print("\n".join(shareinspect.describe(directory, _warn)))
+    else:
+        _inspect_directory(directory)
 
 
 def _inspect_directory(directory: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .errors import CheckpointError
 from .inventory import take_inventory
+from .partition import is_partitioned
 from .tiers import read_marker
 
 
@@ -34,7 +35,11 @@ def resume_choice(local: str, shared: str) -> str:
     reach = {}
     for tier, directory in (("local", local), ("shared", shared)):
         try:
-            reach[tier] = take_inventory(directory, skip_other_versions=True).manifest.durable_step()
+            if is_partitioned(local) or is_partitioned(shared):
+                from recovery.tiers import tier_reach  # (lowdiff imports recovery only when asked)
+                reach[tier] = tier_reach(directory, None)
+            else:
+                reach[tier] = take_inventory(directory, skip_other_versions=True).manifest.durable_step()
         except (CheckpointError, OSError):
             reach[tier] = -1
     tier = "local" if reach["local"] >= reach["shared"] else "shared"

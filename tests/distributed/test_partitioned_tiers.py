@@ -3,6 +3,8 @@ drains its own rank directory into the shared tier's. A run SIGKILLed mid-way, i
 deleted (the nodes replaced), resumes from the shared tier (in one process, and with 2 ranks), byte for byte
 the state of an uninterrupted run at the step the shared tier reached, never older; retention in
 the shared tier counts its complete sets."""
+import contextlib
+import io
 import os
 import shutil
 import socket
@@ -13,6 +15,7 @@ import time
 import torch
 
 import recovery
+from lowdiff import cli
 from lowdiff.manifest import read_manifest
 from lowdiff.partition import rank_directories, rank_directory
 from recovery.tiers import tier_reach
@@ -122,3 +125,10 @@ def test_killed_then_local_deleted_resumes_from_shared_exactly(tmp_path):
     assert fulls[0][-2:] == fulls[1][-2:] and all(2 <= len(f) <= 3 for f in fulls), fulls
     assert fulls[0][-1] == max(range(reach, STEPS + 1, 4))     # the resumed session's full every 4 steps
     assert read_manifest(rank_directory(local, 0)).run == read_manifest(rank_directory(shared, 0)).run
+    # inspect shows both partitioned tiers and which one resume takes (both complete: the local one).
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["inspect", str(local)]) == 0
+    assert "shared tier (local: keep-last 2; shared: keep-last 2" in out.getvalue()
+    assert out.getvalue().count("share 1 of 2") >= 2
+    assert f"resume        from the local tier, step {STEPS}" in out.getvalue()
