@@ -163,7 +163,8 @@ class Controller:
                     self._windows[name].samples.extend(values[-WINDOW:])
             self._adopt_settings_locked(settings)
             costs = self._costs_locked()
-            if costs is None or (self.differentials and not self._differentials_measured_locked()):
+            if not (self.auto_full or self.auto_batch or self.auto_differentials) or costs is None or \
+                    (self.differentials and not self._differentials_measured_locked()):
                 return
             # The settings in force are a decision already (logged, and changed only with hysteresis).
             self.current = self._evaluate_in_force_locked(costs)

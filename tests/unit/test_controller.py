@@ -181,6 +181,9 @@ def test_measurements_and_settings_outlive_the_process(tmp_path):
     assert (second.full_every, second.batch_steps) == (first.full_every, first.batch_steps) != (50, 8)
     assert second.costs() == first.costs()
     assert second.history[0].reason.startswith("settings and measurements of earlier sessions")
+    fixed = Controller(WrapConfig(full_every=7, batch_steps=3))
+    fixed.load_state(str(tmp_path))                 # measurements only: fixed settings stay, no decision
+    assert (fixed.full_every, fixed.batch_steps, fixed.history) == (7, 3, []) and fixed.costs() == first.costs()
 
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"version": 99, "samples": {}, "settings": {}}',
