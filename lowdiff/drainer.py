@@ -252,11 +252,15 @@ def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None,
     if os.path.realpath(directory) == os.path.realpath(tiers.shared_dir):
         raise ValueError(f"shared_dir={tiers.shared_dir!r} is the local checkpoint directory itself")
     check_layouts(partition, tiers.shared_dir)
-    local = PolicyStore(local_dir, tiers.local_policy(keep_full),
-                        complete=None if partition is None else partition.complete)
+    in_shared = None if partition is None else complete_in(partition, tiers.shared_dir)
+    in_local = None if partition is None or in_shared is None else \
+        (lambda fulls: partition.complete(fulls) | in_shared(fulls))
+    # (A set is complete for the local tier when it is complete there or in the shared tier: ranks
+    # on other nodes keep their local rank directories where this rank cannot see them, but every
+    # share in the shared tier was committed locally first.)
+    local = PolicyStore(local_dir, tiers.local_policy(keep_full), complete=in_local)
     try:
-        shared = PolicyStore(shared_dir, tiers.shared, clean_point="clean",
-                             complete=None if partition is None else complete_in(partition, tiers.shared_dir))
+        shared = PolicyStore(shared_dir, tiers.shared, clean_point="clean", complete=in_shared)
         try:
             join_runs(local, shared)
             if partition is not None:
