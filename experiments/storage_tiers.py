@@ -1,0 +1,499 @@
+"""Storage tiers: what staging through local storage saves a training loop, and what cleaning saves
+on disk. A GPT-2-style model built from code (experiments/gpt.py), AdamW, lowdiff TopK(0.01)
+differentials, a full checkpoint every --full-every steps, all configurations in one run:
+
+  local-only     lowdiff.wrap(..., LOCAL)                      checkpoints on the local disk only
+  direct-slow    lowdiff.wrap(..., SHARED/direct)              checkpoints written straight to the slow tier
+  staged         lowdiff.wrap(..., LOCAL, tiers=Tiers(SHARED)) local first, drained to the slow tier in
+                                                               the background (keep-last 2 in both tiers)
+  staged-keepall the same with KeepAll() in both tiers         (storage without cleaning)
+
+The slow shared tier is, by default, an ext4 filesystem on a loop device (a sparse file under
+/var/tmp) whose reads and writes are throttled by the kernel's block-layer throttle: cgroup v2
+``io.max`` when the io controller is available, else cgroup v1 ``blkio.throttle.*_bps_device`` (the
+same blk-throttle mechanism). Every training process runs in a child cgroup made for it; the rule
+names only the loop device, so the local disk is not throttled. Set up and torn down here (root
+needed). ``--shared-dir PATH`` uses a real mount instead (no throttle is added). Without root,
+loop devices or a throttle, the script falls back and says so in its output.
+
+What is measured, per configuration (each runs in its own process, in the cgroup; the schedule is
+repeated --repeats times in rotated order, and results pooled):
+
+  stall/ckpt ms   how long training is held up per full checkpoint: snapshot + blocked
+  snapshot        the training thread's extra CPU time in opt.step() on a full-checkpoint step (the
+                  copy of the state to staging memory), over the median of the configuration's other
+                  steps (median over full-checkpoint steps)
+  blocked         the time the training thread slept inside opt.step() (waiting for a writer, for the
+                  drainer, or for the GIL), summed over all timed steps, per full checkpoint
+                  (wall - on CPU - waiting for a CPU, /proc/thread-self/schedstat: on a shared machine
+                  the wait for a CPU is other processes' load, not a stall)
+                  Both leave out the wrapped optimizer's own step (optimizer step hooks).
+  diff ms/step    the training thread's CPU time in opt.step() on other steps (median): compression
+                  and record of the differential, which every configuration pays; a background
+                  drainer competing for the 2 cores shows here and in wall/step
+  wall/step ms    the timed loop's wall time / timed steps (everything, including others' load)
+  persist ms      median background write of one full checkpoint (lowdiff's stats: to the slow tier
+                  for direct-slow, to the local disk otherwise)
+  close s         opt.close(): what was still to be written (and, staged, drained) at the end
+  drain lag       (staged) the shared tier's lag in steps when training ended; backpressure waits
+
+Storage: the bytes of checkpoint files in each tier, sampled after every step of the staged runs
+(keep-last 2 vs keep-all), as a table (and a plot with matplotlib installed).
+
+Targets (issue #10): staged stall/ckpt within 10% of local-only; storage with cleaning flat.
+Speed is only comparable within one run: every ratio printed is of this run.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+RESULTS = HERE / "results"
+CONFIGS = ("local-only", "direct-slow", "staged", "staged-keepall")
+
+
+# ---------------------------------------------------------------------------- the slow tier
+class SlowTier:
+    """A throttled filesystem for the shared tier (or the user's mount). ``describe`` says what it
+    is; ``preexec`` puts a child process into the throttled cgroup; ``close`` tears it all down."""
+
+    def __init__(self, shared_dir: str | None, image_gb: int, mbps: float, workdir: Path):
+        self.notes: list[str] = []
+        self.mount: Path | None = None
+        self.loop: str | None = None
+        self.image: Path | None = None
+        self.cgroup: Path | None = None
+        self.throttle = "none"
+        if shared_dir is not None:
+            self.root = Path(shared_dir).resolve()
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.kind = f"the user's directory {self.root} (no throttle added)"
+            return
+        self.root = workdir / "shared-fallback"
+        self.kind = f"a directory on the local disk ({self.root}): NOT a slow tier"
+        if os.geteuid() != 0:
+            self.notes.append("not root: no loop device or cgroup throttle can be set up")
+            self.root.mkdir(parents=True, exist_ok=True)
+            return
+        try:
+            self._make_loop(image_gb, workdir)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            self.notes.append(f"loop device setup failed ({exc}); falling back")
+            self._teardown_loop()
+            self.root.mkdir(parents=True, exist_ok=True)
+            return
+        self.root = self.mount / "shared"  # type: ignore[operator]
+        self.root.mkdir()
+        self.kind = f"ext4 on {self.loop} (backed by {self.image}), mounted at {self.mount}"
+        try:
+            self._make_cgroup(int(mbps * 1e6))
+        except OSError as exc:
+            self.notes.append(f"no block-I/O throttle could be set ({exc}): the loop device runs at full speed")
+
+    def _make_loop(self, image_gb: int, workdir: Path) -> None:
+        self.image = Path(tempfile.mkstemp(prefix="lowdiff-tiers-", suffix=".img", dir="/var/tmp")[1])
+        os.truncate(self.image, image_gb << 30)
+        self.loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(self.image)], check=True,
+                                   capture_output=True, text=True).stdout.strip()
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", self.loop],
+                       check=True, capture_output=True)
+        self.mount = workdir / "slow-mount"
+        self.mount.mkdir()
+        subprocess.run(["mount", "-o", "noatime", self.loop, str(self.mount)], check=True, capture_output=True)
+
+    def _make_cgroup(self, bps: int) -> None:
+        assert self.loop is not None
+        rdev = os.stat(self.loop).st_rdev
+        device = f"{os.major(rdev)}:{os.minor(rdev)}"
+        name = f"lowdiff-tiers-{os.getpid()}"
+        for v2_root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+            controllers = v2_root / "cgroup.controllers"
+            if controllers.exists() and "io" in controllers.read_text().split():
+                (v2_root / "cgroup.subtree_control").write_text("+io")
+                self.cgroup = v2_root / name
+                self.cgroup.mkdir()
+                (self.cgroup / "io.max").write_text(f"{device} rbps={bps} wbps={bps}")
+                self.throttle = f"cgroup v2 io.max {device} rbps={bps} wbps={bps} ({bps / 1e6:.0f} MB/s each way)"
+                return
+        self.notes.append("cgroup v2 has no io controller here (io.max unavailable): using cgroup v1 blkio "
+                          "throttling, the same kernel blk-throttle")
+        v1 = Path("/sys/fs/cgroup/blkio")
+        if not (v1 / "blkio.throttle.write_bps_device").exists():
+            raise OSError("neither cgroup v2 io.max nor cgroup v1 blkio throttling is available")
+        self.cgroup = v1 / name
+        self.cgroup.mkdir()
+        (self.cgroup / "blkio.throttle.write_bps_device").write_text(f"{device} {bps}")
+        (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{device} {bps}")
+        self.throttle = (f"cgroup v1 blkio.throttle read/write_bps_device {device} {bps} "
+                         f"({bps / 1e6:.0f} MB/s each way)")
+
+    def preexec(self):
+        """For subprocess.Popen(preexec_fn=...): join the throttled cgroup before exec."""
+        if self.cgroup is None:
+            return None
+        procs = str(self.cgroup / "cgroup.procs")
+
+        def join() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        return join
+
+    def describe(self) -> list[str]:
+        return [f"shared tier: {self.kind}", f"throttle:    {self.throttle}"] + \
+            [f"note:        {n}" for n in self.notes]
+
+    def close(self) -> None:
+        if self.cgroup is not None:
+            try:
+                self.cgroup.rmdir()
+            except OSError as exc:
+                print(f"warning: could not remove cgroup {self.cgroup}: {exc}", file=sys.stderr)
+            self.cgroup = None
+        self._teardown_loop()
+
+    def _teardown_loop(self) -> None:
+        if self.mount is not None and os.path.ismount(self.mount):
+            subprocess.run(["umount", str(self.mount)], check=False)
+        if self.loop is not None:
+            subprocess.run(["losetup", "-d", self.loop], check=False)
+            self.loop = None
+        if self.image is not None:
+            self.image.unlink(missing_ok=True)
+            self.image = None
+
+
+# ---------------------------------------------------------------------------- one configuration (child)
+def checkpoint_bytes(directory: Path) -> int:
+    try:
+        return sum(e.stat().st_size for e in os.scandir(directory) if e.name.startswith(("full-", "diff-")))
+    except FileNotFoundError:
+        return 0
+
+
+def clocks() -> tuple[float, float, float]:
+    """(wall, this thread's CPU time, this thread's time waiting for a CPU) in seconds; the last
+    from /proc/thread-self/schedstat, so that a loaded machine's queueing is not taken for a stall."""
+    with open("/proc/thread-self/schedstat") as f:
+        _, queued_ns, _ = f.read().split()
+    return time.perf_counter(), time.thread_time(), int(queued_ns) / 1e9
+
+
+def calibrate(args) -> dict:
+    """Plain training steps (no lowdiff): the median step time and a full checkpoint's size, for
+    sizing the throttle."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import gpt
+
+    torch.set_num_threads(1)
+    cfg = gpt.PRESETS[args.preset]
+    model = gpt.build_model(args.preset, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    times = []
+    for step in range(8):
+        x, y = gpt.batch(cfg, step)
+        started = time.perf_counter()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - started)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3   # params + AdamW moments
+    return {"step_s": statistics.median(times[2:]), "full_bytes": state_bytes}
+
+
+def run_config(args) -> dict:
+    """Train one configuration in this process; return its measurements."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    sys.path.append(str(REPO_ROOT))
+    import gpt
+
+    import lowdiff
+    from lowdiff.tiers import KeepAll, KeepLast, Tiers
+
+    torch.set_num_threads(1)
+    cfg = gpt.PRESETS[args.preset]
+    model = gpt.build_model(args.preset, seed=0)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    marks: dict = {}
+    inner.register_step_pre_hook(lambda *a: marks.__setitem__("pre", clocks()))
+    inner.register_step_post_hook(lambda *a: marks.__setitem__("post", clocks()))
+    local, shared = Path(args.local), Path(args.shared)
+    tiers = None
+    directory = local
+    if args.config == "direct-slow":
+        directory = shared
+    elif args.config.startswith("staged"):
+        policy = KeepAll() if args.config == "staged-keepall" else KeepLast(2)
+        tiers = Tiers(str(shared), local=policy, shared=policy, max_lag_steps=args.max_lag_steps)
+    opt = lowdiff.wrap(inner, model, str(directory), compressor=lowdiff.TopK(ratio=0.01), full_every=args.full_every,
+                       batch_steps=args.batch_steps, tiers=tiers)
+    total = args.warmup + args.steps
+    step_s, lowdiff_cpu_s, blocked_s, storage = [], [], [], []
+    started = None
+    for step in range(total):
+        if step == args.warmup:
+            opt.flush()
+            started = time.perf_counter()
+        x, y = gpt.batch(cfg, step)
+        t0 = time.perf_counter()
+        model(x, y).backward()
+        before = clocks()
+        opt.step()
+        after = clocks()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        if step >= args.warmup:
+            step_s.append(t3 - t0)
+            outer = [b - a for a, b in zip(before, after)]
+            own = [b - a for a, b in zip(marks["pre"], marks["post"])]
+            # CPU time of lowdiff's part of step() on this thread, and the time it slept (waiting
+            # for a writer, the drainer or the GIL): wall - on CPU - waiting for a CPU.
+            lowdiff_cpu_s.append(outer[1] - own[1])
+            blocked_s.append((outer[0] - outer[1] - outer[2]) - (own[0] - own[1] - own[2]))
+        if tiers is not None:
+            storage.append((step + 1, checkpoint_bytes(local), checkpoint_bytes(shared)))
+    assert started is not None
+    loop_s = time.perf_counter() - started
+    stats = opt.stats()
+    fulls = sum(1 for s in range(args.warmup + 1, total + 1) if s % args.full_every == 0)
+    closing = time.perf_counter()
+    opt.close()
+    close_s = time.perf_counter() - closing
+    if tiers is not None:
+        storage.append((total, checkpoint_bytes(local), checkpoint_bytes(shared)))
+    tier_stats = stats.get("tiers", {})
+    return {"persist_ms": stats.get("full_persist_median_ms"), "config": args.config, "step_s": step_s,
+            "lowdiff_cpu_s": lowdiff_cpu_s, "blocked_s": blocked_s,
+            "loop_s": loop_s, "fulls": fulls,
+            "close_s": close_s, "storage": storage, "lag_steps": tier_stats.get("lag_steps"),
+            "backpressure_waits": tier_stats.get("backpressure_waits"),
+            "full_bytes": os.path.getsize(max((p for p in directory.iterdir() if p.name.startswith("full-")),
+                                              key=lambda p: p.name))}
+
+
+# ---------------------------------------------------------------------------- driver
+def launch(config: str, args, slow: SlowTier, workdir: Path, attempt: int) -> dict:
+    local = workdir / f"local-{config}-{attempt}"
+    shared = slow.root / f"{config}-{attempt}"
+    out = workdir / f"{config}-{attempt}.json"
+    cmd = [sys.executable, __file__, "--child", config, "--local", str(local), "--shared", str(shared),
+           "--result", str(out), "--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--full-every", str(args.full_every), "--batch-steps", str(args.batch_steps),
+           "--max-lag-steps", str(args.max_lag_steps)]
+    subprocess.run(cmd, check=True, preexec_fn=slow.preexec())
+    result = json.loads(out.read_text())
+    shutil.rmtree(local, ignore_errors=True)
+    shutil.rmtree(shared, ignore_errors=True)
+    return result
+
+
+def pooled(results: list[dict]) -> dict:
+    return {"step_s": [s for r in results for s in r["step_s"]],
+            "lowdiff_cpu_s": [s for r in results for s in r["lowdiff_cpu_s"]],
+            "blocked_s": [s for r in results for s in r["blocked_s"]],
+            "loop_s": sum(r["loop_s"] for r in results), "steps": sum(len(r["step_s"]) for r in results),
+            "fulls": sum(r["fulls"] for r in results), "close_s": statistics.median(r["close_s"] for r in results),
+            "lag_steps": [r["lag_steps"] for r in results],
+            "backpressure_waits": [r["backpressure_waits"] for r in results],
+            "full_bytes": results[0]["full_bytes"],
+            "persist_ms": statistics.median(r["persist_ms"] or 0.0 for r in results)}
+
+
+def storage_table(runs: dict, rows: int) -> list[tuple]:
+    """(step, clean local MB, clean shared MB, keep-all local MB, keep-all shared MB) at ``rows`` steps."""
+    clean, keep = runs["staged"][0]["storage"], runs["staged-keepall"][0]["storage"]
+    n = min(len(clean), len(keep))
+    picks = sorted({round(i * (n - 1) / (rows - 1)) for i in range(rows)})
+    return [(clean[i][0], clean[i][1] / 1e6, clean[i][2] / 1e6, keep[i][1] / 1e6, keep[i][2] / 1e6) for i in picks]
+
+
+def plot(table_rows: list, runs: dict, path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for config, label in (("staged", "keep-last 2"), ("staged-keepall", "keep-all")):
+        samples = runs[config][0]["storage"]
+        ax.plot([s[0] for s in samples], [s[1] / 1e6 for s in samples], label=f"local, {label}")
+        ax.plot([s[0] for s in samples], [s[2] / 1e6 for s in samples], "--", label=f"shared, {label}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("checkpoint bytes (MB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"plot: {path}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="storage_tiers.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a short run (< 3 min): fewer steps, one repeat")
+    p.add_argument("--preset", default="quick", choices=["quick", "gpt2-124m"], help="model size (experiments/gpt.py)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 200, quick 75)")
+    p.add_argument("--warmup", type=int, default=5, help="steps before timing starts")
+    p.add_argument("--repeats", type=int, help="schedule repeats (default 2, quick 1)")
+    p.add_argument("--full-every", type=int, default=20)
+    p.add_argument("--batch-steps", type=int, default=1)
+    p.add_argument("--max-lag-steps", type=int, default=100, help="drainer backpressure bound (staged)")
+    p.add_argument("--throttle-mbps", type=float,
+                   help="slow tier bandwidth, MB/s each way (default: sized by a calibration run so that writing "
+                        "one full checkpoint takes --persist-steps training steps)")
+    p.add_argument("--persist-steps", type=float, default=5.0,
+                   help="how many training steps one full checkpoint's write to the slow tier should last")
+    p.add_argument("--image-gb", type=int, default=8, help="size of the sparse loop image")
+    p.add_argument("--shared-dir", help="use this (real, slow) mount for the shared tier instead of a loop device")
+    p.add_argument("--csv", default=str(RESULTS / "storage_tiers.csv"))
+    # internal: one configuration in a child process
+    p.add_argument("--child", choices=CONFIGS + ("calibrate",), help=argparse.SUPPRESS)
+    p.add_argument("--local", help=argparse.SUPPRESS)
+    p.add_argument("--shared", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 75 if args.quick else 200
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.child:
+        args.config = args.child
+        Path(args.result).write_text(json.dumps(calibrate(args) if args.child == "calibrate" else run_config(args)))
+        return 0
+
+    workdir = Path(tempfile.mkdtemp(prefix="lowdiff-tiers-", dir="/var/tmp"))
+    print(f"storage_tiers: preset {args.preset}, {args.steps} timed steps (+{args.warmup} warmup) x {args.repeats} "
+          f"repeat(s), full every {args.full_every}, batch {args.batch_steps}, TopK(0.01); local tier {workdir}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
+          f"({os.cpu_count()} cores)")
+    if args.throttle_mbps is None:
+        out = workdir / "calibrate.json"
+        subprocess.run([sys.executable, __file__, "--child", "calibrate", "--result", str(out),
+                        "--preset", args.preset], check=True)
+        calibration = json.loads(out.read_text())
+        args.throttle_mbps = calibration["full_bytes"] / (args.persist_steps * calibration["step_s"]) / 1e6
+        print(f"calibration: plain step {calibration['step_s'] * 1e3:.0f} ms, state "
+              f"{calibration['full_bytes'] / 1e6:.0f} MB -> throttle {args.throttle_mbps:.1f} MB/s: a full "
+              f"checkpoint takes ~{args.persist_steps:g} steps to write to the slow tier, its drain with "
+              f"read-back ~{2 * args.persist_steps:g} of the {args.full_every} between full checkpoints")
+    slow = SlowTier(args.shared_dir, args.image_gb, args.throttle_mbps, workdir)
+    runs: dict = {c: [] for c in CONFIGS}
+    try:
+        for line in slow.describe():
+            print(line)
+        begun = time.perf_counter()
+        for attempt in range(args.repeats):
+            order = CONFIGS[attempt % len(CONFIGS):] + CONFIGS[:attempt % len(CONFIGS)]
+            for config in order:
+                print(f"  [{time.perf_counter() - begun:6.1f} s] repeat {attempt + 1}/{args.repeats}: {config} ...",
+                      flush=True)
+                runs[config].append(launch(config, args, slow, workdir, attempt))
+    finally:
+        slow.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    load = os.getloadavg()
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+    stats = {c: pooled(runs[c]) for c in CONFIGS}
+    print(f"\nfull checkpoint {stats['local-only']['full_bytes'] / 1e6:.1f} MB, every {args.full_every} steps; "
+          f"{stats['local-only']['fulls']} full checkpoints timed per configuration")
+    header = (f"{'config':<15} {'stall/ckpt ms':>13} {'x local':>8} {'snapshot':>9} {'blocked':>8} "
+              f"{'diff ms/step':>12} {'wall/step ms':>12} {'x local':>8} {'persist ms':>10} {'close s':>8}  "
+              f"drain lag / backpressure waits")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    local_stall = local_wall = None
+    intervals: dict = {}
+    for config in CONFIGS:
+        s = stats[config]
+        steps = range(args.warmup + 1, args.warmup + 1 + args.steps)
+        per_run = [(dict(zip(steps, r["lowdiff_cpu_s"])), dict(zip(steps, r["blocked_s"]))) for r in runs[config]]
+        diff_s = statistics.median(v for cpu, _ in per_run for step, v in cpu.items() if step % args.full_every)
+        snapshot_ms = statistics.median(v - diff_s for cpu, _ in per_run for step, v in cpu.items()
+                                        if step % args.full_every == 0) * 1e3
+        blocked_ms = sum(s["blocked_s"]) / max(s["fulls"], 1) * 1e3
+        stall_ms = snapshot_ms + blocked_ms
+        # The same per checkpoint interval [full step, next full step): its spread says how well
+        # two configurations' stalls can be told apart.
+        intervals[config] = [(cpu[f] - diff_s + sum(blocked[t] for t in range(f, f + args.full_every))) * 1e3
+                             for cpu, blocked in per_run for f in cpu
+                             if f % args.full_every == 0 and f + args.full_every - 1 in cpu]
+        wall_ms = s["loop_s"] / s["steps"] * 1e3
+        if config == "local-only":
+            local_stall, local_wall = stall_ms, wall_ms
+        assert local_stall is not None and local_wall is not None
+        drain = "-" if s["lag_steps"][0] is None else f"{s['lag_steps']} / {s['backpressure_waits']}"
+        row = (config, stall_ms, stall_ms / local_stall if local_stall > 0 else float("nan"), blocked_ms,
+               snapshot_ms, diff_s * 1e3, wall_ms, wall_ms / local_wall, s["persist_ms"], s["close_s"], drain)
+        rows.append(row)
+        print(f"{row[0]:<15} {row[1]:>13.1f} {row[2]:>8.2f} {row[4]:>9.1f} {row[3]:>8.1f} {row[5]:>12.1f} "
+              f"{row[6]:>12.1f} {row[7]:>8.2f} {row[8]:>10.0f} {row[9]:>8.2f}  {row[10]}")
+    staged, local = intervals["staged"], intervals["local-only"]
+    difference = statistics.mean(staged) - statistics.mean(local)
+    spread = (statistics.variance(staged) / len(staged) + statistics.variance(local) / len(local)) ** 0.5 \
+        if min(len(staged), len(local)) > 1 else float("inf")
+    interval_s = args.full_every * local_wall / 1e3
+    verdict = "met" if rows[2][1] <= 1.10 * rows[0][1] else \
+        "met within the measurement's resolution" if difference <= 2 * spread else "MISSED"
+    print(f"\ntarget: staged stall/ckpt within 10% of local-only: {rows[2][2]:.2f}x; staged - local = "
+          f"{difference:+.1f} ms per checkpoint (2 standard errors over {len(staged)}+{len(local)} intervals: "
+          f"{2 * spread:.1f} ms; a checkpoint interval is {interval_s:.1f} s of training) -> {verdict}. "
+          f"Direct to the slow tier: {rows[1][1]:.0f} ms per checkpoint ({rows[1][2]:.1f}x local-only)")
+
+    table = storage_table(runs, 11)
+    print("\nstorage (checkpoint files, MB) over the run, staged through local:")
+    print(f"{'step':>6} {'clean local':>12} {'clean shared':>13} {'keep-all local':>15} {'keep-all shared':>16}")
+    for row in table:
+        print(f"{row[0]:>6} {row[1]:>12.1f} {row[2]:>13.1f} {row[3]:>15.1f} {row[4]:>16.1f}")
+    # Steady state of keep-last 2: just before each full checkpoint from the third interval on (the
+    # base at step 0 holds no optimizer state yet), each tier holds two full checkpoints and the
+    # differentials since the older one.
+    clean, keep = runs["staged"][0]["storage"], runs["staged-keepall"][0]["storage"]
+    points = [i for i, sample in enumerate(clean[:len(keep)])
+              if sample[0] % args.full_every == args.full_every - 1 and sample[0] > 2 * args.full_every]
+    if len(points) >= 2:
+        values = [clean[i][t] / 1e6 for i in points for t in (1, 2)]
+        flat = max(values) <= 1.25 * min(values)
+        print(f"target: storage with cleaning stays flat (both tiers just before each full checkpoint at steps "
+              f"{[clean[i][0] for i in points]}: {min(values):.1f}..{max(values):.1f} MB, max within 25% of min): "
+              f"{'met' if flat else 'MISSED'}; without cleaning the shared tier grows "
+              f"{keep[points[0]][2] / 1e6:.1f} -> {keep[points[-1]][2] / 1e6:.1f} MB")
+    else:
+        print(f"storage: too few steps to judge flatness (needs steps past {3 * args.full_every})")
+    RESULTS.mkdir(exist_ok=True)
+    with open(args.csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "stall_per_ckpt_ms", "stall_x_local", "blocked_per_ckpt_ms", "snapshot_ms",
+                    "diff_cpu_ms_per_step", "wall_per_step_ms", "wall_x_local", "full_persist_median_ms", "close_s",
+                    "drain_lag_steps / backpressure_waits", "throttle", "shared_tier", "load_end"])
+        for row in rows:
+            w.writerow([row[0], *(f"{v:.3f}" for v in row[1:10]), row[10], slow.throttle, slow.kind, f"{load[0]:.2f}"])
+    storage_csv = Path(args.csv).with_name(Path(args.csv).stem + "_storage.csv")
+    with open(storage_csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "clean_local_bytes", "clean_shared_bytes", "keepall_local_bytes", "keepall_shared_bytes"])
+        clean, keep = runs["staged"][0]["storage"], runs["staged-keepall"][0]["storage"]
+        for a, b in zip(clean, keep):
+            w.writerow([a[0], a[1], a[2], b[1], b[2]])
+    print(f"\nCSV: {args.csv}, {storage_csv}")
+    print(plot(table, runs, Path(args.csv).with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
