@@ -325,7 +325,8 @@ def real_runs(settings_list: list[str], gaps: list[float], budget_s: float, mtbf
               root: str) -> list[dict]:
     """Each setting trains for ``budget_s`` of wall time in lives of the same lengths (``gaps``):
     a trainer is started, SIGKILLed when its life ends, restarted with resume. The settings take
-    turns life by life, so a change in the machine's load falls on all of them alike. Goodput =
+    turns life by life (in a rotating order), so a change in the machine's load falls on all of
+    them alike. Goodput =
     durable steps at the end / wall time."""
     lives, total = [], 0.0
     for gap in gaps:
@@ -334,8 +335,11 @@ def real_runs(settings_list: list[str], gaps: list[float], budget_s: float, mtbf
         if total >= budget_s:
             break
     directories = {s: tempfile.mkdtemp(prefix="tune-real-", dir=root) for s in settings_list}
-    for life_s in lives:
-        for settings, directory in directories.items():
+    for index, life_s in enumerate(lives):
+        # The order rotates, so no setting always starts right after the same one was killed.
+        turn = index % len(settings_list)
+        for settings in settings_list[turn:] + settings_list[:turn]:
+            directory = directories[settings]
             command = [sys.executable, os.path.abspath(__file__), "--child", directory, settings,
                        str(3600 / mtbf_s), "100000000", model]
             proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=_repo())
