@@ -105,6 +105,12 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if differentials is not True and self.world_size > 1:
             # Ranks would have to agree on every switch (and on every auto full_every) to keep sets complete.
             raise ValueError(f"differentials={differentials!r} is not supported under torch.distributed yet")
+        auto = [name for name, value in (("full_every", full_every), ("batch_steps", batch_steps)) if value == "auto"]
+        if auto and self.world_size > 1:
+            # Each rank's controller measures its own costs and would choose its own settings; the
+            # shares of a checkpoint or batch form a set only when every rank cuts at the same steps.
+            raise ValueError(f"{' and '.join(auto)}='auto' is not supported under torch.distributed yet: every rank "
+                             f"must checkpoint at the same steps; give integers (python -m lowdiff tune suggests them)")
         if replica:
             check_replica_arguments(self._capture.compressor)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own

@@ -120,8 +120,9 @@ def main():
     p.add_argument("--digests", required=True)
     p.add_argument("--compressor", default="topk", choices=["topk", "topk-ef", "dense"])
     p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--full-every", type=int, default=6)
-    p.add_argument("--batch-steps", type=int, default=3)
+    setting = lambda v: v if v == "auto" else int(v)  # noqa: E731
+    p.add_argument("--full-every", type=setting, default=6)
+    p.add_argument("--batch-steps", type=setting, default=3)
     p.add_argument("--crash-at", type=int)
     p.add_argument("--crash-ranks", type=lambda s: {int(r) for r in s.split(",")}, default=set())
     p.add_argument("--unused", action="store_true")

@@ -374,3 +374,12 @@ def test_retention_cleans_the_ranks_a_resumed_run_dropped(tmp_path, reference, c
     _, trained = digests(tmp_path / "one-0.txt")
     step, got = _resume_in_process(copy)
     assert int(step) == 32 and got == trained[32][1]               # nothing the newest set needs went
+
+
+def test_auto_settings_are_refused_under_ddp(tmp_path):
+    """Each rank's controller would pick its own interval and batch size from its own measurements,
+    and shares cut at different steps never form a set: refused at wrap(), before anything is written."""
+    results = launch(tmp_path / "ckpt", tmp_path / "d", 2, "--full-every", "auto")
+    for code, err in results:
+        assert code != 0 and "full_every='auto' is not supported under torch.distributed" in err, err
+    assert not any(files for _, _, files in os.walk(tmp_path / "ckpt"))
