@@ -74,8 +74,8 @@ class WrapConfig:
         if not (isinstance(self.differentials, bool) or self.differentials == "auto"):
             raise ValueError(f"differentials={self.differentials!r} must be True, False or 'auto'")
         if self.replica and self.differentials is not True:
-            raise ValueError(f"differentials={self.differentials!r} is not supported with replica=True (the "
-                             f"replica replaces differentials)")
+            raise ValueError(f"differentials={self.differentials!r} is not supported with replica=True (replica "
+                             f"mode writes the differentials a persisted replica does not cover, and only those)")
         if self.replica and self.full_every == "auto":
             raise ValueError("full_every='auto' is not supported with replica=True: give how many steps apart "
                              "the replica is persisted (1: as often as the disk allows)")
