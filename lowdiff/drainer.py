@@ -91,7 +91,10 @@ class Drainer:
     def __init__(self, local: PolicyStore, shared: PolicyStore, max_lag_steps: int, engine=None):
         self.local, self.shared = local, shared
         self.max_lag_steps = max_lag_steps
-        self._engine = engine
+        # An engine of its own: pieces queue in order within a priority, so copies to a slow
+        # shared tier on the training's engine would hold up the local full checkpoints (BULK
+        # too) behind them, and training would wait for the slow tier after all.
+        self._engine = fastio.make_engine(engine.config if engine is not None else fastio.FastioConfig.from_env())
         self._cond = threading.Condition()
         self._local = local.listed()
         in_shared = shared.listed()
@@ -174,6 +177,7 @@ class Drainer:
                 self._skipped |= self._local.files() - self._done
             self._cond.notify_all()
         self._thread.join()
+        self._engine.close()
         self.shared.close()
 
     # ------------------------------------------------------------ drainer thread
