@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 import lowdiff
+import recovery
 from lowdiff.demo import ShuffledSampler, forward_backward
 
 FULL_EVERY = 6
@@ -71,3 +72,30 @@ def train_directory(directory: str, steps: int) -> str:
     train_steps(model, opt, sched, sampler, 0, steps)
     opt.close()
     return directory
+
+
+def train_on_loader(directory, model, loader, stop: int, *, full_every: int, batch_steps: int, compressor=None):
+    """Wrap AdamW over ``model`` with ``loader`` in extra_state, resume what ``directory`` holds and
+    train epoch after epoch to step ``stop``: the sample indices seen (the loader yields
+    (x, y, index)) and the final model state. After a resume at an epoch's last batch the first
+    pass may yield no batch; the loop goes on to the next epoch."""
+    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, directory,
+                       compressor=compressor or lowdiff.Dense(), full_every=full_every, batch_steps=batch_steps,
+                       extra_state={"data": loader})
+    step = recovery.resume(directory, model, opt)
+    seen: list = []
+    while step < stop:
+        for x, y, index in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            seen += index.tolist()
+            if step == stop:
+                break
+    opt.close()
+    return seen, [t.clone() for t in model.state_dict().values()]
+
+
+def same_tensors(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

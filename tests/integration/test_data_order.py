@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
+from lowdiff_helpers import same_tensors, train_on_loader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 
 import lowdiff
-import recovery
 
 SAMPLES, BATCH = 40, 4            # 10 batches per epoch
 
@@ -53,26 +53,10 @@ def run(directory, kind: str, workers: int, stop: int, *, noise=False, compresso
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
     loader = lowdiff.ResumableLoader(make_loader(kind, workers, noise), seed_samples=noise)
-    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, directory,
-                       compressor=compressor or lowdiff.Dense(), full_every=7, batch_steps=3,
-                       extra_state={"data": loader})
-    step = recovery.resume(directory, model, opt)
-    seen = []
-    while step < stop:
-        for x, y, index in loader:
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            seen += index.tolist()
-            if step == stop:
-                break
-    opt.close()
-    return seen, [t.clone() for t in model.state_dict().values()]
+    return train_on_loader(directory, model, loader, stop, full_every=7, batch_steps=3, compressor=compressor)
 
 
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+same = same_tensors
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -21,11 +21,11 @@ import torch
 from torch.utils.data import Dataset
 
 pytest.importorskip("torchdata.stateful_dataloader")
+from lowdiff_helpers import same_tensors, train_on_loader  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import RandomSampler  # noqa: E402
 
 import lowdiff  # noqa: E402
-import recovery  # noqa: E402
 
 # torchdata 0.11 calls a deprecated torch function when a loader is made (its warning, not ours).
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -57,26 +57,10 @@ def run(directory, workers: int, stop: int, compressor=None):
     loader = StatefulDataLoader(data, batch_size=BATCH, num_workers=workers,
                                 sampler=RandomSampler(data, generator=torch.Generator().manual_seed(7)),
                                 generator=torch.Generator().manual_seed(8))
-    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, directory,
-                       compressor=compressor or lowdiff.Dense(), full_every=5, batch_steps=2,
-                       extra_state={"data": loader})
-    step = recovery.resume(directory, model, opt)
-    seen = []
-    while step < stop:
-        for x, y, index in loader:          # after a resume at an epoch's last batch: a pass with none
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            seen += index.tolist()
-            if step == stop:
-                break
-    opt.close()
-    return seen, [t.clone() for t in model.state_dict().values()]
+    return train_on_loader(directory, model, loader, stop, full_every=5, batch_steps=2, compressor=compressor)
 
 
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+same = same_tensors
 
 
 @pytest.mark.parametrize("workers", [0, 2])
