@@ -22,6 +22,7 @@ import fastio
 from fastio._engine import Engine
 
 from . import faults, loopchecks
+from .betweensteps import BetweenStepsWatch
 from .compress import Dense, TopK
 from .config import Scheduler, Stateful, WrapConfig, check_wrap_arguments
 from .controller import Controller
@@ -125,6 +126,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self.step_count = 0
         self._capture.capture_base_boundary()
         self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})
+        self._between = BetweenStepsWatch(self._capture.model)
+        self._between.boundary_passed(0, None)
         self._pending: tuple | None = None      # a step whose boundary is not recorded yet (manual)
         self._scaler_warned = False
         self._busy = 0                          # see lifecycle.Busy
@@ -280,6 +283,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 session.hold_unrecorded(self.step_count, record.objects)
             recorded = True
             self._schedulers.step_finished()
+            self._between.boundary_passed(self.step_count, record.objects)
             if session.recording or self._replica is not None:
                 # What recording cost this step: all but the optimizer step (the controller's record_s).
                 session.controller.step_recorded(time.perf_counter() - capture_started - optimizer_s)
@@ -316,6 +320,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._session.mark_resumed()
         self.step_count = step
         self._capture.restart(residuals)
+        self._between.boundary_passed(step, None)
 
     # ------------------------------------------------------------ durability
     def stats(self) -> dict[str, Any]:
@@ -370,6 +375,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 finally:
                     self._session.close_writers()
         finally:
+            self._between.remove()
             self._session.close_store()
             live.discard(self)
 
