@@ -13,7 +13,9 @@ Warned: an LR scheduler attached to the optimizer but given to lowdiff neither a
 in ``extra_state`` (its position would not be saved), and a scheduler stepped between two
 ``opt.step()`` calls — the one given as ``scheduler`` (lowdiff steps it too: twice per step) or one
 in ``extra_state`` (captured at the end of ``opt.step()``, before the loop stepped it, so a resumed
-schedule would lag by a step).
+schedule would lag by a step) — and an ``AveragedModel`` (EMA) in ``extra_state`` updated between
+them (a resumed average would lag one update). Random numbers drawn and buffers changed between
+steps: lowdiff.betweensteps.
 """
 from __future__ import annotations
 
@@ -68,21 +70,26 @@ def warn_unsaved_scheduler(optimizer, scheduler, extra_state) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
-def _position(scheduler):
-    """How far a scheduler has stepped: its ``last_epoch``, or for one that only steps others
-    (``ChainedScheduler`` has no ``last_epoch`` of its own) the positions of those."""
-    if hasattr(scheduler, "last_epoch"):
-        return scheduler.last_epoch
-    return tuple(_position(inner) for inner in getattr(scheduler, "_schedulers", ()))
+def _position(obj):
+    """How far a scheduler has stepped (its ``last_epoch``, or for one that only steps others —
+    ``ChainedScheduler`` has no ``last_epoch`` of its own — the positions of those), or how many
+    updates an ``AveragedModel`` (EMA, SWA) has averaged."""
+    if isinstance(obj, torch.optim.swa_utils.AveragedModel):
+        return int(obj.n_averaged.item())
+    if hasattr(obj, "last_epoch"):
+        return obj.last_epoch
+    return tuple(_position(inner) for inner in getattr(obj, "_schedulers", ()))
 
 
 class SchedulerWatch:
-    """Sees schedulers stepped between ``opt.step()`` calls (by their position, see _position)."""
+    """Sees schedulers stepped, and EMAs (``AveragedModel``) updated, between ``opt.step()`` calls
+    (by their position, see _position)."""
 
     def __init__(self, scheduler, extra_state: dict):
         self.watched = {"scheduler": scheduler} if scheduler is not None else {}
         self.watched.update({f"extra_state[{name!r}]": obj for name, obj in extra_state.items()
-                             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)})
+                             if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
+                                                 torch.optim.swa_utils.AveragedModel))})
         self.seen: dict[str, int] = {}
         self.warned: set[str] = set()
 
@@ -100,6 +107,10 @@ class SchedulerWatch:
             if name == "scheduler":
                 why = ("it is stepped outside opt.step() as well as by lowdiff (which steps it at the end of "
                        "opt.step()): twice per step. Do not step it yourself")
+            elif isinstance(obj, torch.optim.swa_utils.AveragedModel):
+                why = ("it is updated after lowdiff captured it at the iteration boundary (the end of "
+                       "opt.step(), or opt.boundary()): a resumed average would lag one update. Wrap with "
+                       "boundary=\"manual\" and call opt.boundary() after updating it")
             else:
                 why = ("it is stepped after lowdiff captured it at the iteration boundary (the end of "
                        "opt.step(), or opt.boundary()): a resumed schedule would lag one step. Pass it as "

@@ -147,6 +147,22 @@ def test_a_scheduler_stepped_by_the_loop_is_named_once(tmp_path, given_as):
     assert ("twice per step" if given_as == "scheduler" else "lag one step") in messages[0]
 
 
+def test_an_ema_in_extra_state_updated_after_the_step_is_named_once(tmp_path):
+    """Captured at the end of opt.step(), before the loop's update: a resumed EMA would lag one."""
+    model, opt = model_and_opt()
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    wrapped = lowdiff.wrap(opt, model, tmp_path / "ckpt", extra_state={"ema": ema})
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(4):
+            train(wrapped, model, 1)
+            ema.update_parameters(model)
+    wrapped.close()
+    messages = [str(w.message) for w in caught if "AveragedModel" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "extra_state['ema']" in messages[0] and "lag one update" in messages[0]
+    assert 'boundary="manual"' in messages[0]
+
+
 def test_a_sparse_gradient_changes_nothing_before_it_is_refused(tmp_path):
     """Seen at step(): refused before any gradient is compressed or any residual changes."""
     model, opt = model_and_opt()
