@@ -50,13 +50,23 @@ RESOLVE_EVERY_BATCHES = 8
 DECODE_SAMPLE_EVERY = 64      # records between two timed decodes (the first record is always timed)
 HYSTERESIS = 0.05             # change only for a predicted waste at least this much (relative) lower ...
 HYSTERESIS_ABS = 1e-4         # ... and by at least this much of the wall-clock time
+# The probe (differentials="auto" only): what recording costs is what steps with differentials
+# take longer than steps without, timed side by side now and then (see Controller._plan_probe_locked).
+PROBE_STEPS = 4               # steps of the other kind per probe
+PROBE_MIN_FULL_EVERY = 4 * PROBE_STEPS   # shorter intervals are not probed
+PROBE_EVERY_FULLS = 8         # full checkpoints between two probes, once PROBE_WARMUP probes are in
+PROBE_WARMUP = 3
+DECIDE_WITHOUT_PROBE_FULLS = 3   # "auto" waits for its first probe this many full checkpoints at most
 
 
 # What is measured (each a window of samples). Step intervals are kept apart by whether the step
 # recorded a differential and whether a full checkpoint was in flight ("busy").
-MEASURED = ("step_s", "busy_step_s", "bare_step_s", "bare_busy_step_s", "optimizer_step_s", "record_s",
-            "stall_s", "persist_s", "full_bytes", "batch_write_s", "batch_bytes", "batch_steps", "decode_s",
-            "replay_record_s", "load_s", "restart_s")
+# A step whose interval holds a full checkpoint's stall is measured apart too ("full_step_s"), so
+# that a full checkpoint every step or two is charged what it costs. "record_ratio": a probe's
+# median step with differentials over its median step without.
+MEASURED = ("step_s", "busy_step_s", "bare_step_s", "bare_busy_step_s", "full_step_s", "bare_full_step_s",
+            "optimizer_step_s", "record_s", "record_ratio", "stall_s", "persist_s", "full_bytes",
+            "batch_write_s", "batch_bytes", "batch_steps", "decode_s", "replay_record_s", "load_s", "restart_s")
 
 
 def process_age_s() -> float | None:
@@ -90,6 +100,18 @@ class _Window:
         return statistics.median(self.samples) if self.samples else None
 
 
+@dataclasses.dataclass
+class _Probe:
+    """A probe in progress: ``recording`` is what its steps do (the opposite of the setting in
+    force); ``baseline`` the clean step intervals of the other kind just before it."""
+
+    recording: bool
+    baseline: list[float]
+    fulls_at_start: int
+    samples: list[float] = dataclasses.field(default_factory=list)
+    steps: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """One applied choice: the settings, what the model predicted for them and for the settings
@@ -121,11 +143,19 @@ class Controller:
         self.batch_steps = AUTO_INITIAL_BATCH_STEPS if self.auto_batch else config.batch_steps
         # Whether differentials are wanted (the session switches at a full checkpoint). "auto"
         # starts with them: their costs must be measured before they can be judged.
-        self.differentials: bool = config.differentials is not False
+        self.differentials_wanted: bool = config.differentials is not False
         self.limits = Limits(failure_rate_per_s=config.failure_rate_per_hour / 3600.0,
                              max_recovery_s=config.max_recovery_s, batch_memory_bytes=config.batch_memory_bytes,
                              max_pending_batches=config.max_pending_batches,
                              max_full_every=MAX_FULL_EVERY, max_batch_steps=MAX_BATCH_STEPS)
+        self._probe: _Probe | None = None
+        self.probes = 0                          # probes that gave a sample
+        self._fulls_since_probe = 0
+        self._fulls_seen = 0
+        self._steps_since_full = 0
+        # Clean step intervals of the current full interval, newest last: (recording, seconds).
+        self._interval: collections.deque[tuple[bool, float]] = collections.deque(maxlen=4 * PROBE_STEPS)
+        self._after_full = False                 # the next step interval holds a full checkpoint's stall
         self.history: list[Decision] = []
         self.current: Evaluation | None = None   # the model's prediction for the settings in force
         self._windows = {name: _Window() for name in MEASURED}
@@ -141,6 +171,18 @@ class Controller:
         # Raw samples of the recent past, for stats().
         self.samples = {name: collections.deque(maxlen=SAMPLES_KEPT)
                         for name in ("full_stall_s", "full_persist_s", "batch_write_s")}
+
+    @property
+    def differentials(self) -> bool:
+        """Whether the next step records a differential (read by the session before each step):
+        the setting in force (``differentials_wanted``), the other way round while a probe runs.
+        Setting it sets ``differentials_wanted``."""
+        probe = self._probe
+        return probe.recording if probe is not None else self.differentials_wanted
+
+    @differentials.setter
+    def differentials(self, value: bool) -> None:
+        self.differentials_wanted = bool(value)
 
     # earlier sessions ---------------------------------------------------------
     def load_state(self, directory: str) -> None:
@@ -164,7 +206,7 @@ class Controller:
             self._adopt_settings_locked(settings)
             costs = self._costs_locked()
             if not (self.auto_full or self.auto_batch or self.auto_differentials) or costs is None or \
-                    (self.differentials and not self._differentials_measured_locked()):
+                    (self.differentials_wanted and not self._differentials_measured_locked()):
                 return
             # The settings in force are a decision already (logged, and changed only with hysteresis).
             self.current = self._evaluate_in_force_locked(costs)
@@ -186,7 +228,7 @@ class Controller:
         if self.auto_batch and positive_int(settings.get("batch_steps"), MAX_BATCH_STEPS):
             self.batch_steps = settings["batch_steps"]
         if self.auto_differentials and isinstance(settings.get("differentials"), bool):
-            self.differentials = settings["differentials"]
+            self.differentials_wanted = settings["differentials"]
 
     def save_state(self) -> None:
         """Write the measurements and settings to CONTROLLER.json (full-writer thread, after a
@@ -196,7 +238,7 @@ class Controller:
         with self._lock:
             samples = {name: list(window.samples) for name, window in self._windows.items() if window.samples}
             settings = {"full_every": self.full_every, "batch_steps": self.batch_steps,
-                        "differentials": self.differentials}
+                        "differentials": self.differentials_wanted}
         try:
             write_state(self._state_dir, samples, settings)
         except OSError as exc:
@@ -222,14 +264,80 @@ class Controller:
         step records a differential."""
         now = time.perf_counter()
         with self._lock:
+            clean_s = None
             if self._last_step_end is not None:
+                interval_s = now - self._last_step_end
                 busy = self._persist_in_flight
-                name = ("busy_step_s" if busy else "step_s") if recording else \
-                    ("bare_busy_step_s" if busy else "bare_step_s")
-                self._windows[name].add(now - self._last_step_end)
+                if self._after_full:
+                    name = "full_step_s" if recording else "bare_full_step_s"
+                else:
+                    name = ("busy_step_s" if busy else "step_s") if recording else \
+                        ("bare_busy_step_s" if busy else "bare_step_s")
+                    if not busy:
+                        clean_s = interval_s
+                self._windows[name].add(interval_s)
+            self._after_full = False
             self._last_step_end = now
             self._windows["optimizer_step_s"].add(optimizer_step_s)
             self._steps_seen += 1
+            self._steps_since_full += 1
+            if clean_s is not None:
+                self._interval.append((recording, clean_s))
+            if self.auto_differentials:
+                self._plan_probe_locked(recording, clean_s)
+
+    def _plan_probe_locked(self, recording: bool, clean_s: float | None) -> None:
+        """After a step: run, end or start a probe, which sets what the next step does.
+
+        With differentials on, the PROBE_STEPS steps before a full checkpoint that is due anyway
+        record nothing (the batch before them is sealed; the full checkpoint restarts the chain),
+        and are compared with the clean steps just before them. The first probe does not wait for
+        a full checkpoint: it runs once PROBE_STEPS clean steps are timed, and the step after it
+        takes an extra full checkpoint. With differentials off, recording starts at a full
+        checkpoint that is due anyway and stops once PROBE_STEPS clean steps with it are timed,
+        compared with the clean steps without it before that full checkpoint. Each probe gives one
+        sample of ``record_ratio``. Its price: the few steps of an "on" probe are durable only
+        with the full checkpoint after them. Training thread only (it alone sets ``_probe``)."""
+        probe, place = self._probe, self._steps_since_full + 1    # the next step's place in the interval
+        if probe is not None:
+            if recording == probe.recording:
+                probe.steps += 1
+                if clean_s is not None:
+                    probe.samples.append(clean_s)
+            ended = len(probe.samples) >= PROBE_STEPS or probe.steps >= 4 * PROBE_STEPS
+            if not probe.recording:
+                ended = ended or probe.steps >= PROBE_STEPS or place >= self.full_every
+            elif place >= self.full_every and self._fulls_seen > probe.fulls_at_start:
+                ended = True   # (not before the full checkpoint that starts its differentials)
+            if ended:
+                self._end_probe_locked()
+            return
+        due = len(self._windows["record_ratio"].samples) < PROBE_WARMUP or \
+            self._fulls_since_probe >= PROBE_EVERY_FULLS
+        if not due or self.full_every < PROBE_MIN_FULL_EVERY:
+            return
+        if self.differentials_wanted:
+            baseline = [s for rec, s in self._interval if rec][-PROBE_STEPS:]
+            first = not self._windows["record_ratio"].samples
+            if len(baseline) >= 2 and (place == self.full_every - PROBE_STEPS or
+                                       (first and len(baseline) >= PROBE_STEPS and
+                                        place < self.full_every - PROBE_STEPS)):
+                self._probe = _Probe(False, baseline, self._fulls_seen)
+        elif place == self.full_every:
+            baseline = [s for rec, s in self._interval if not rec][-PROBE_STEPS:]
+            if len(baseline) >= 2:
+                self._probe = _Probe(True, baseline, self._fulls_seen)
+
+    def _end_probe_locked(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return
+        self._fulls_since_probe = 0
+        if len(probe.samples) < 2 or len(probe.baseline) < 2:
+            return
+        with_s, without_s = (probe.samples, probe.baseline) if probe.recording else (probe.baseline, probe.samples)
+        self._windows["record_ratio"].add(statistics.median(with_s) / max(statistics.median(without_s), 1e-9))
+        self.probes += 1
 
     def step_recorded(self, record_s: float) -> None:
         """Training thread: what recording the step cost it (capture, compression, hand-over)."""
@@ -241,8 +349,14 @@ class Controller:
         with self._lock:
             self._windows["stall_s"].add(stall_s)
             self.samples["full_stall_s"].append(stall_s)
-            self._last_step_end = None  # the stall is not part of a normal step
+            self._after_full = True     # the next step interval holds the stall (see _full_cost_locked)
             self._persist_in_flight = True
+            self._steps_since_full = 0
+            self._fulls_seen += 1
+            self._fulls_since_probe += 1
+            self._interval.clear()
+            if self._probe is not None and not self._probe.recording:
+                self._end_probe_locked()   # full_every shrank under it: differentials restart at the next full
 
     def full_persisted(self, persist_s: float, nbytes: int) -> None:
         """Full-writer thread, when a full checkpoint of ``nbytes`` is committed."""
@@ -301,7 +415,17 @@ class Controller:
         if v["stall_s"] is None or v["persist_s"] is None or (v["step_s"] is None and v["bare_step_s"] is None):
             return None
         in_thread_s = v["record_s"] or 0.0
-        if v["bare_step_s"] is not None:
+        ratio = v["record_ratio"]
+        fresh = "step_s" if self.differentials_wanted else "bare_step_s"   # the kind timed all the time
+        if ratio is not None and v[fresh] is not None:
+            # Probed: steps with differentials take ``ratio`` times as long as steps without,
+            # timed side by side (so a change of the machine's load falls on both alike). Applied
+            # to the kind of step timed now, as the other kind's samples may be old.
+            with_s = v[fresh] if self.differentials_wanted else v[fresh] * ratio
+            without_s = with_s / ratio
+            record_s = max(in_thread_s, with_s - without_s)
+            step_s = max(with_s - record_s, 1e-6)
+        elif v["bare_step_s"] is not None:
             # Steps without differentials measured: recording costs what steps with them take
             # longer (which includes the writer threads' competition for the CPU), never less
             # than the training thread's own share of it.
@@ -335,19 +459,29 @@ class Controller:
                      write_bytes_per_s=bandwidth, replay_s=replay_s, load_s=load_s, restart_s=v["restart_s"] or 0.0)
 
     def _full_cost_locked(self) -> float:
-        """What one full checkpoint costs the training thread: its stall, plus what the steps
-        overlapping its persist took longer than the others (about persist / busy-step of them).
-        Compared within the steps with differentials, or else within those without."""
+        """What one full checkpoint costs the training thread: what the step whose interval holds
+        its stall took longer than a clean step (the stall, and the persist's competition during
+        that step), plus what the further steps overlapping the persist took longer than clean ones
+        (about (persist - busy step) / busy step of them); never less than the stall. Compared within
+        the kind of step in force (with or without differentials), or else the other."""
         stall_s, persist_s = self._windows["stall_s"].value or 0.0, self._windows["persist_s"].value or 0.0
-        for busy, clean in (("busy_step_s", "step_s"), ("bare_busy_step_s", "bare_step_s")):
-            busy_s, clean_s = self._windows[busy].value, self._windows[clean].value
-            if busy_s is not None and clean_s is not None:
-                return stall_s + max(0.0, busy_s - clean_s) * persist_s / busy_s
+        kinds = [("full_step_s", "busy_step_s", "step_s"), ("bare_full_step_s", "bare_busy_step_s", "bare_step_s")]
+        if not self.differentials_wanted:
+            kinds.reverse()
+        for full, busy, clean in kinds:
+            full_s, busy_s, clean_s = (self._windows[name].value for name in (full, busy, clean))
+            if clean_s is None or (full_s is None and busy_s is None):
+                continue
+            cost_s = max(stall_s, full_s - clean_s) if full_s is not None else stall_s
+            if busy_s is not None:
+                overlapped_s = persist_s - (busy_s if full_s is not None else 0.0)
+                cost_s += max(0.0, busy_s - clean_s) * max(0.0, overlapped_s) / busy_s
+            return cost_s
         return stall_s
 
     # decisions --------------------------------------------------------------
     def _evaluate_in_force_locked(self, costs: Costs) -> Evaluation:
-        return evaluate(costs, self.limits, self.full_every, self.batch_steps if self.differentials else None)
+        return evaluate(costs, self.limits, self.full_every, self.batch_steps if self.differentials_wanted else None)
 
     def _resolve_locked(self, why: str) -> None:
         """Solve the model again; apply its answer if it beats the settings in force by the
@@ -357,13 +491,17 @@ class Controller:
         if costs is None:
             return
         measured = self._differentials_measured_locked()
-        if self.differentials and not measured:
+        if self.differentials_wanted and not measured:
             return   # the costs of what is in force are not known yet
         self.current = self._evaluate_in_force_locked(costs)
         if not (self.auto_full or self.auto_batch or self.auto_differentials):
             return
+        if self.auto_differentials and self.differentials_wanted and not self.history and \
+                not self._windows["record_ratio"].samples and self.full_every >= PROBE_MIN_FULL_EVERY and \
+                self._fulls_seen < DECIDE_WITHOUT_PROBE_FULLS:
+            return   # the first probe is a few steps away: until it, recording looks cheaper than it is
         # Differentials are judged only once measured; without consent ("auto") they stay as set.
-        choice: bool | str = "auto" if self.auto_differentials and measured else self.differentials
+        choice: bool | str = "auto" if self.auto_differentials and measured else self.differentials_wanted
         best = solve(costs, self.limits, differentials=choice, full_every=None if self.auto_full else self.full_every,
                      batch_steps=None if self.auto_batch else self.batch_steps)
         decide = choose(self.current, best, first=not self.history)
@@ -379,7 +517,7 @@ class Controller:
                  100 * self.current.waste, ", ".join(self.current.violated) or "none",
                  _short(dataclasses.asdict(costs)))
         self.full_every = best.full_every
-        self.differentials = best.batch_steps is not None
+        self.differentials_wanted = best.batch_steps is not None
         if best.batch_steps is not None:
             self.batch_steps = best.batch_steps   # kept while off: the size to use if they return
         self.current = best
@@ -394,6 +532,7 @@ class Controller:
             costs = self._costs_locked()
             current = self.current
             history = [d.as_dict() for d in self.history]
+            probes, ratio = self.probes, self._windows["record_ratio"].value
         out: dict[str, Any] = {}
         for name, values in samples.items():
             key = name.removesuffix("_s")
@@ -402,9 +541,10 @@ class Controller:
             out[f"{key}_max_ms"] = max(values) * 1e3 if values else None
         out["controller"] = {
             "auto_full": self.auto_full, "auto_batch": self.auto_batch,
-            "auto_differentials": self.auto_differentials, "differentials": self.differentials,
+            "auto_differentials": self.auto_differentials, "differentials": self.differentials_wanted,
             "failure_rate_per_hour": self.limits.failure_rate_per_s * 3600.0,
             "max_recovery_s": self.limits.max_recovery_s,
+            "probes": probes, "record_ratio": ratio,
             "costs": dataclasses.asdict(costs) if costs is not None else None,
             "predicted": dataclasses.asdict(current) if current is not None else None,
             "history": history}
@@ -414,7 +554,7 @@ class Controller:
         """The settings in force and the medians they were chosen from."""
         with self._lock:
             return {"full_every": self.full_every, "batch_steps": self.batch_steps,
-                    "differentials": self.differentials, "auto_differentials": self.auto_differentials,
+                    "differentials": self.differentials_wanted, "auto_differentials": self.auto_differentials,
                     "auto_full": self.auto_full, "auto_batch": self.auto_batch,
                     "step_s": self._windows["step_s"].value, "stall_s": self._windows["stall_s"].value,
                     "persist_s": self._windows["persist_s"].value, "decisions": len(self.history)}

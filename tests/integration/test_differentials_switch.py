@@ -101,3 +101,43 @@ def test_a_new_session_starts_from_the_last_ones_measurements(tmp_path):
         assert len(opt.controller._windows["restart_s"].samples) == len(kept["samples"]["restart_s"]) + 1
     finally:
         opt.close()
+
+
+def test_probes_of_what_recording_costs_keep_every_durable_step_exact(tmp_path, rng):
+    """differentials="auto" probes what recording costs: now and then a few steps record nothing
+    before a full checkpoint (the batch before them sealed; the full checkpoint restarts the chain),
+    or, with differentials off, record the few steps after one. The steps it leaves unrecorded are
+    durable only through that full checkpoint; every durable step resumes exactly."""
+    import time
+
+    from lowdiff.controller import PROBE_MIN_FULL_EVERY
+
+    steps = 3 * PROBE_MIN_FULL_EVERY
+    reference = reference_digests(steps)
+    directory = tmp_path / "ckpt"
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, differentials="auto", full_every=PROBE_MIN_FULL_EVERY,
+               batch_steps=4, keep_full=100)
+    modes, wanted, durable = {}, {}, set()
+
+    def note(step):
+        modes[step], wanted[step] = opt._session.recording, opt.controller.differentials_wanted
+        durable.update(range(opt._session._last_full_step, step + 1) if modes[step] else [opt._session._last_full_step])
+        time.sleep(0.03)   # steps long enough that full checkpoints persist between them (clean steps)
+
+    try:
+        train_steps(model, opt, sched, sampler, 0, steps, note)
+        assert opt.controller.probes >= 1
+        opt.flush()
+    finally:
+        opt.close()
+    probed = [s for s in modes if modes[s] != wanted[s]]   # steps doing the opposite of the setting in force
+    assert probed, (modes, wanted)
+    around = {s + d for s in probed for d in (-2, -1, 0, 1, 2)} & durable
+    sample = around | set(rng.choice(sorted(durable), size=min(4, len(durable)), replace=False).tolist()) | {steps}
+    for step in sorted(sample):
+        assert _resume(directory, step) == (step, reference[step]), f"step {step} (modes {modes})"
+    unrecorded = [s for s in probed if s not in durable]
+    if unrecorded:
+        with pytest.raises(NoCheckpointError):
+            _resume(directory, unrecorded[0])

@@ -199,7 +199,9 @@ def test_an_unusable_measurements_file_is_named_and_replaced(tmp_path, content):
 
 
 def expensive_recording(controller, **changes):
-    """Recording costs 30% of a step; a full checkpoint stalls 2 ms: full-only wins by far."""
+    """Recording costs 30% of a step (as a probe measured it); a full checkpoint stalls 2 ms:
+    full-only wins by far."""
+    controller._windows["record_ratio"].add(1.3)
     feed(controller, **{"step_s": 0.1, "record_s": 0.03, "stall_s": 0.002, "persist_s": 0.05, **changes})
 
 
@@ -230,3 +232,117 @@ def test_steps_without_differentials_measure_what_recording_costs():
 def test_process_age_is_measured():
     age = process_age_s()
     assert age is not None and 0 < age < 24 * 3600
+
+
+class FakeSession:
+    """What lowdiff.session does with the controller's switch, step by step, on a fake clock:
+    differentials stop at once, start again only after a full checkpoint (the step that sees the
+    change takes one). Steps take ``with_s`` recording (of which the training thread sees
+    ``in_thread_s``), ``without_s`` not; a full checkpoint stalls ``stall_s`` and persists at once;
+    a batch of 4 records is written every 4 recorded steps."""
+
+    def __init__(self, controller, monkeypatch, with_s=0.13, without_s=0.10, in_thread_s=0.005, stall_s=0.0):
+        self.controller, self.with_s, self.without_s = controller, with_s, without_s
+        self.in_thread_s, self.stall_s = in_thread_s, stall_s
+        self.now = 100.0
+        monkeypatch.setattr("lowdiff.controller.time.perf_counter", lambda: self.now)
+        self.recording = controller.differentials
+        self.step, self.last_full, self.full_due, self.switch_on = 0, 0, False, False
+        self.fulls, self.modes, self.recorded = [], [], 0
+
+    def run(self, steps):
+        c = self.controller
+        for _ in range(steps):
+            self.step += 1
+            wanted = c.differentials
+            if wanted and not self.recording:
+                self.full_due = self.switch_on = True
+            elif not wanted and self.recording:
+                self.recording = False
+            self.now += self.with_s if self.recording else self.without_s
+            c.step_finished(0.01, self.recording)
+            self.modes.append(self.recording)
+            if self.recording:
+                c.step_recorded(self.in_thread_s)
+                self.recorded += 1
+                if self.recorded % 4 == 0:
+                    c.batch_written(4, 0.001, 100_000)
+            if self.full_due or self.step - self.last_full >= c.full_every or self.step == 1:
+                self.full_due, self.last_full = False, self.step
+                self.fulls.append(self.step)
+                if self.switch_on:
+                    self.recording, self.switch_on = True, False
+                self.now += self.stall_s
+                c.full_taken(self.stall_s)
+                c.full_persisted(0.0001, 1_000_000)
+
+
+def test_the_probe_times_steps_without_differentials_before_full_checkpoints_due_anyway(monkeypatch):
+    """With differentials="auto" and on, a probe now and then runs the few steps before a full
+    checkpoint that is due anyway without recording: the cost model sees what recording really
+    costs (4% of a step here, of which the training thread's own part is only 0.5 ms of 4), and no
+    full checkpoint is added but the first probe's. (Failures every 10 s: differentials stay.)"""
+    from lowdiff.controller import PROBE_EVERY_FULLS, PROBE_STEPS, PROBE_WARMUP
+
+    controller = Controller(WrapConfig(full_every=40, batch_steps=4, differentials="auto",
+                                       failure_rate_per_hour=360.0))
+    session = FakeSession(controller, monkeypatch, with_s=0.104, in_thread_s=0.0005, stall_s=0.5)
+    session.run(40 * (PROBE_WARMUP + 2 * PROBE_EVERY_FULLS))
+    assert controller.differentials_wanted and len(controller.history) == 1
+    assert controller.probes == PROBE_WARMUP + 2
+    assert controller.stats()["controller"]["record_ratio"] == pytest.approx(1.04)
+    c = controller.costs()
+    assert c.record_s == pytest.approx(0.004) and c.step_s == pytest.approx(0.10)
+    bare = [s + 1 for s, rec in enumerate(session.modes) if not rec]
+    extra = [f for f, before in zip(session.fulls[1:], session.fulls) if f - before < 40]
+    # The first probe: PROBE_STEPS clean recorded steps (the step after the base full at step 1
+    # holds its stall), PROBE_STEPS without, then the switch-on step takes a full checkpoint.
+    first_bare = 3 + PROBE_STEPS
+    assert extra == [first_bare + PROBE_STEPS] and bare[:PROBE_STEPS + 1] == list(range(first_bare, extra[0] + 1))
+    # Later probes: the PROBE_STEPS steps before a full checkpoint that was due, and the due one's.
+    later = bare[PROBE_STEPS + 1:]
+    assert len(later) == (controller.probes - 1) * (PROBE_STEPS + 1)
+    assert all(s in session.fulls for s in later[PROBE_STEPS::PROBE_STEPS + 1])
+
+
+def test_the_first_auto_decision_waits_for_the_first_probe(monkeypatch):
+    """Recording costs 30% of a step, but the training thread sees only 5 ms of it: deciding
+    before the probe would keep differentials; after it, full checkpoints only win."""
+    controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", differentials="auto",
+                                       failure_rate_per_hour=1.0))
+    session = FakeSession(controller, monkeypatch)
+    session.run(6)
+    assert controller.history == [] and controller.probes == 0
+    session.run(30)
+    (decision,) = controller.history
+    assert controller.probes == 1 and decision.batch_steps is None and not controller.differentials_wanted
+    assert decision.costs["record_s"] == pytest.approx(0.03)
+
+
+def test_with_differentials_off_the_probe_records_a_few_steps_after_a_due_full(monkeypatch):
+    """Off, the probe turns recording on at a full checkpoint that is due anyway (a chain starts
+    there) and off again after PROBE_STEPS clean steps; the costs follow the machine: recording
+    got cheaper (10%), and the ratio measured beside steps without shows it."""
+    from lowdiff.controller import PROBE_STEPS
+
+    controller = Controller(WrapConfig(full_every=30, batch_steps=4, differentials="auto"))
+    controller.differentials = False
+    controller._windows["record_ratio"].add(1.3)                 # an old probe: recording was dear
+    session = FakeSession(controller, monkeypatch, with_s=0.11, without_s=0.10)
+    session.run(30 * 12)
+    assert controller.probes >= 2 and controller.stats()["controller"]["record_ratio"] == pytest.approx(1.1)
+    on = [s + 1 for s, rec in enumerate(session.modes) if rec]
+    assert on and all((s - 1) % 30 < 2 * PROBE_STEPS for s in on)   # only just after due full checkpoints
+    assert all((f - 1) % 30 == 0 for f in session.fulls)            # no extra full checkpoint
+    assert controller.costs().record_s == pytest.approx(0.01)
+
+
+def test_full_checkpoints_every_step_are_charged_what_those_steps_take_longer(monkeypatch):
+    """With a full checkpoint after every step, every step interval holds a stall: they are
+    timed apart and the difference to a clean step is the full checkpoint's cost, not only the
+    training thread's 1 ms stall (the copy's competition for the CPU is in the step)."""
+    controller = Controller(WrapConfig(full_every=1, differentials=False))
+    controller._windows["bare_step_s"].add(0.10)                  # clean steps, measured earlier
+    session = FakeSession(controller, monkeypatch, without_s=0.16)
+    session.run(20)
+    assert controller.costs().stall_s == pytest.approx(0.06)
