@@ -1,6 +1,7 @@
 """fastio.Reader: read byte ranges of a file into caller memory, with O_DIRECT for aligned ranges."""
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from collections.abc import Callable
@@ -30,15 +31,15 @@ class Reader:
         self.path = os.fspath(path)
         self.config = config or FastioConfig.from_env()
         self._engine = engine or shared_engine()
-        self._fd, _ = open_file(self.path, os.O_RDONLY, direct=False)
-        self.size = os.fstat(self._fd).st_size
         self._direct_fd = -1
-        if self.config.direct:
-            fd, is_direct = open_file(self.path, os.O_RDONLY, direct=True)
-            if is_direct:
-                self._direct_fd = fd
-            else:
-                os.close(fd)
+        self._fd, _ = open_file(self.path, os.O_RDONLY, direct=False)
+        try:
+            self.size = os.fstat(self._fd).st_size
+            if self.config.direct:
+                self._direct_fd = _reopen_direct(self._fd, self.path)
+        except BaseException:
+            self.close()   # a constructor that raises leaves nothing open for the garbage collector
+            raise
 
     def read_into(self, offset: int, out: BytesLike, *, priority: int = _engine.BULK) -> None:
         """Fill the writable buffer/array/tensor ``out`` with bytes from ``offset``."""
@@ -97,3 +98,21 @@ class Reader:
         if getattr(self, "_fd", -1) >= 0:
             warnings.warn(f"fastio.Reader for {self.path!r} was not closed", ResourceWarning, stacklevel=2)
             self.close()
+
+
+def _reopen_direct(fd: int, path: str) -> int:
+    """An O_DIRECT descriptor of the file ``fd`` has open, or -1 where the filesystem refuses
+    O_DIRECT. It is reopened through /proc/self/fd, not by ``path``: beside a live trainer whose
+    retention unlinks (or a commit replaces) ``path`` after ``fd`` was opened, a second open by
+    name would fail or, worse, read another file than ``fd``."""
+    proc_path = f"/proc/self/fd/{fd}"
+    if not os.path.exists(proc_path):   # no /proc: by name, and only if it is still the same file
+        proc_path = path
+    direct_fd, is_direct = open_file(proc_path, os.O_RDONLY, direct=True)
+    same = os.path.samestat(os.fstat(direct_fd), os.fstat(fd))
+    if is_direct and same:
+        return direct_fd
+    os.close(direct_fd)
+    if not same:
+        raise FileNotFoundError(errno.ENOENT, "the file was replaced while it was opened", path)
+    return -1

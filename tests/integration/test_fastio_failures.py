@@ -168,6 +168,57 @@ def test_reading_a_missing_file_names_the_path(tmp_path, backend):
     assert str(path) in str(info.value)
 
 
+def _after_the_first_open(monkeypatch, action):
+    """Run ``action()`` right after fastio.Reader's first (buffered) open of its file: the moment
+    a live trainer's retention can unlink it or a commit replace it."""
+    import fastio.reader
+
+    real_open = fastio.reader.open_file
+
+    def open_file(path, flags, direct, *args):
+        fd = real_open(path, flags, direct, *args)
+        if not direct:
+            action()
+        return fd
+    monkeypatch.setattr(fastio.reader, "open_file", open_file)
+
+
+@pytest.mark.parametrize("then", ["unlinked", "replaced"])
+def test_a_file_unlinked_or_replaced_while_a_reader_opens_it_is_read_whole(tmp_path, rng, backend, then,
+                                                                          monkeypatch):
+    # Beside a live trainer a reader's file was unlinked between its buffered and its O_DIRECT
+    # open: the constructor raised with the first descriptor open, and only the garbage collector
+    # closed it (a ResourceWarning, about 1 run in 4 of the live-trainer test in test_store_safety).
+    path, other = tmp_path / "ckpt.bin", tmp_path / "other.bin"
+    data, newer = random_bytes(rng, 3 * 4096 + 100), random_bytes(rng, 3 * 4096 + 100)
+    path.write_bytes(data.tobytes())
+    other.write_bytes(newer.tobytes())
+    _after_the_first_open(monkeypatch, (lambda: os.unlink(path)) if then == "unlinked" else
+                          (lambda: os.replace(other, path)))
+    with fastio.Reader(path, engine=backend) as reader:
+        out = fastio.aligned_buffer(data.nbytes).numpy()[:data.nbytes]   # aligned: O_DIRECT reads the bulk
+        reader.read_into(0, out)
+        assert out.tobytes() == data.tobytes()
+
+
+def test_a_reader_whose_open_fails_halfway_leaves_no_descriptor_open(tmp_path, backend, monkeypatch):
+    path = tmp_path / "ckpt.bin"
+    path.write_bytes(bytes(8192))
+    import fastio.reader
+
+    real_open = fastio.reader.open_file
+
+    def open_file(path, flags, direct, *args):
+        if direct:
+            raise OSError(errno.EIO, "injected")
+        return real_open(path, flags, direct, *args)
+    monkeypatch.setattr(fastio.reader, "open_file", open_file)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="injected"):
+        fastio.Reader(path, engine=backend)
+    assert set(os.listdir("/proc/self/fd")) <= before   # closed now, not by the garbage collector
+
+
 @pytest.fixture(params=["immutable", "read-only-mount"])
 def read_only_dir(request, tmp_path):
     """A directory where even root cannot create files (mode bits do not bind root):

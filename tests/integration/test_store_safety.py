@@ -253,10 +253,6 @@ def test_a_write_error_is_sticky_and_never_looks_like_a_change_outside_step(tiny
 
 
 # ------------------------------------------------------------------ 6. readers, odd paths, odd files
-# Known, not yet explained: now and then (1 of ~4 runs) a batch file's reader opened by verify or
-# export beside a live trainer is only closed by the garbage collector (fastio.Reader's
-# ResourceWarning). What this test checks, a consistent state every time, is unaffected.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_readers_beside_a_live_trainer_see_a_consistent_state(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
