@@ -304,6 +304,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._schedulers.step_finished()    # what was stepped before the failure is not stepped again
             raise
 
+    def skip_between_steps_check(self) -> None:
+        """Do not judge what happens from now to the next training forward in the between-steps
+        check (lowdiff.betweensteps): for frameworks whose resume restores it exactly — Hugging
+        Face Trainer starts an epoch's iterator, drawing from the global RNG, and at resume
+        restores the RNG after that (lowdiff.integrations.hf calls this at each epoch start)."""
+        self._between.boundary_passed(self.step_count, None)
+
     # ------------------------------------------------------------ resume support
     def continue_after(self, step: int, residuals: dict[int, torch.Tensor] | None = None) -> None:
         """Continue recording after step ``step``: the next ``step()`` records step ``step + 1``,

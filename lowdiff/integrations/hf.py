@@ -77,6 +77,13 @@ class LowDiffCallback(TrainerCallback):
         self._state = dataclasses.asdict(state)
         self.optimizer.boundary()
 
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        # The epoch's iterator draws its base seed from the global RNG after the last boundary;
+        # Trainer's resume restores the RNG after making it, so that draw is exact.
+        if self.optimizer is not None:
+            self.optimizer.skip_between_steps_check()
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.optimizer is not None:
