@@ -40,11 +40,13 @@ def newest_step(manifest: Manifest) -> int:
     return max((entry_end(e) for e in manifest.fulls + manifest.batches), default=-1)
 
 
-def copy_file(source: str, target: str, engine=None) -> int:
+def copy_file(source: str, target: str, engine=None, verify: bool = True, timings: dict | None = None) -> int:
     """Copy ``source`` to ``target`` with fastio.Writer (temporary name, fdatasync, rename,
-    directory fsync) and return the bytes copied. The copy is verified before the rename: the
-    temporary file is read back and its CRC-32C must equal that of the bytes read from ``source``
-    (CorruptCheckpointError naming ``target`` otherwise; nothing appears at ``target``)."""
+    directory fsync) and return the bytes copied. With ``verify`` the copy is checked before the
+    rename: the temporary file is read back and its CRC-32C must equal that of the bytes read from
+    ``source`` (CorruptCheckpointError naming ``target`` otherwise; nothing appears at ``target``).
+    ``timings`` (optional) gets ``copy_s`` (read, write, fdatasync, rename) and ``verify_s`` (the
+    read-back) added to it."""
     # One reused read buffer, deliberately one byte past a page boundary: fastio writes aligned
     # memory without copying and needs it unchanged until commit, so an aligned buffer could not
     # be refilled; a misaligned one is copied into fastio's staging ring at each write.
@@ -53,14 +55,27 @@ def copy_file(source: str, target: str, engine=None) -> int:
     buffer = raw[start:start + _CHUNK_BYTES]
     view = buffer.data
     crc = 0
+    verify_s = 0.0
+
+    def check(written: str) -> None:
+        nonlocal verify_s
+        started = time.perf_counter()
+        check_copy(written, target, writer.size, crc, engine)
+        verify_s = time.perf_counter() - started
+
+    started = time.perf_counter()
     with open(source, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         with fastio.Writer(target, size_hint=size, engine=engine) as writer:
             while n := f.readinto(view):
-                crc = fastio.crc32c(buffer[:n], crc)
+                if verify:
+                    crc = fastio.crc32c(buffer[:n], crc)
                 writer.write(buffer[:n])
             faults.point("drain-write")
-            writer.commit(check=lambda written: check_copy(written, target, writer.size, crc, engine))
+            writer.commit(check=check if verify else None)
+    if timings is not None:
+        timings["copy_s"] = timings.get("copy_s", 0.0) + time.perf_counter() - started - verify_s
+        timings["verify_s"] = timings.get("verify_s", 0.0) + verify_s
     return writer.size
 
 
@@ -88,9 +103,11 @@ class Drainer:
     ``check`` from the training thread at will; ``close`` once (drains what is committed), or
     ``stop`` (abandons the rest); both release the shared tier."""
 
-    def __init__(self, local: PolicyStore, shared: PolicyStore, max_lag_steps: int, engine=None):
+    def __init__(self, local: PolicyStore, shared: PolicyStore, max_lag_steps: int, engine=None,
+                 verify_copies: bool = True):
         self.local, self.shared = local, shared
         self.max_lag_steps = max_lag_steps
+        self.verify_copies = verify_copies
         # An engine of its own: pieces queue in order within a priority, so copies to a slow
         # shared tier on the training's engine would hold up the local full checkpoints (BULK
         # too) behind them, and training would wait for the slow tier after all.
@@ -109,7 +126,11 @@ class Drainer:
         self._error: BaseException | None = None
         self._closing = False
         self._warned = False
-        self.stats = {"drained_files": 0, "drained_bytes": 0, "backpressure_waits": 0, "backpressure_s": 0.0}
+        # copy_s: reading the local file and writing, syncing and renaming the copy; verify_s:
+        # reading the copy back (as many bytes again from the shared tier); commit_s: the shared
+        # manifest's commit and cleaning, per file.
+        self.stats = {"drained_files": 0, "drained_bytes": 0, "copy_s": 0.0, "verify_s": 0.0, "commit_s": 0.0,
+                      "backpressure_waits": 0, "backpressure_s": 0.0}
         local.pinned = self._undrained
         local.on_commit = self._local_committed
         self._thread = threading.Thread(target=self._run, name="lowdiff-drainer", daemon=True)
@@ -212,9 +233,11 @@ class Drainer:
         if not self.shared.would_keep(entry):
             self._skip(entry)
             return
+        timings: dict = {}
         try:
             nbytes = copy_file(os.path.join(self.local.directory, entry.file),
-                               os.path.join(self.shared.directory, entry.file), self._engine)
+                               os.path.join(self.shared.directory, entry.file), self._engine,
+                               verify=self.verify_copies, timings=timings)
         except FileNotFoundError:
             with self._cond:
                 if entry.file in self._local.files():
@@ -225,6 +248,7 @@ class Drainer:
             raise CheckpointError(f"{entry.file} is {nbytes} bytes in {self.local.directory}, its manifest "
                                   f"says {entry.nbytes}")
         faults.point("drain-commit")
+        committing = time.perf_counter()
         self.shared.commit_copied(entry)
         with self._cond:
             self._done.add(entry.file)
@@ -233,8 +257,12 @@ class Drainer:
             self._handled_step = max(self._handled_step, entry_end(entry))
             self.stats["drained_files"] += 1
             self.stats["drained_bytes"] += nbytes
+            self.stats["copy_s"] += timings["copy_s"]
+            self.stats["verify_s"] += timings["verify_s"]
             self._cond.notify_all()
         self.local.clean()   # the copied file is no longer pinned: the local policy may let it go
+        with self._cond:
+            self.stats["commit_s"] += time.perf_counter() - committing
 
     def _skip(self, entry) -> None:
         with self._cond:
@@ -275,7 +303,7 @@ def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None,
                     refuse_runs(local, shared)
                 shared.run = local.run
             write_marker(directory, tiers, local.policy)
-            return local, Drainer(local, shared, tiers.max_lag_steps, engine)
+            return local, Drainer(local, shared, tiers.max_lag_steps, engine, tiers.verify_copies)
         except BaseException:
             shared.close()
             raise

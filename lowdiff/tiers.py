@@ -34,12 +34,16 @@ class Tiers:
     """Where and how checkpoints are staged. ``shared_dir``: the shared (slow, durable across
     node loss) directory; ``local``/``shared``: each tier's retention policy (``local`` None:
     ``KeepLast(keep_full)`` of ``wrap``); ``max_lag_steps``: how many committed steps the shared
-    tier may be behind the local one before ``step()`` waits for the drainer (backpressure)."""
+    tier may be behind the local one before ``step()`` waits for the drainer (backpressure);
+    ``verify_copies``: read each copy back from the shared tier and compare its CRC-32C before it
+    is renamed into place (as many bytes read from the shared file system as written; False skips
+    it where that traffic costs more than the check is worth)."""
 
     shared_dir: str
     local: Policy | None = None
     shared: Policy = KeepLast(2)
     max_lag_steps: int = 500
+    verify_copies: bool = True
 
     def __post_init__(self):
         if not isinstance(self.shared_dir, (str, os.PathLike)):
@@ -50,6 +54,8 @@ class Tiers:
         check_policy("Tiers(shared=...)", self.shared)
         if isinstance(self.max_lag_steps, bool) or not isinstance(self.max_lag_steps, int) or self.max_lag_steps < 1:
             raise ValueError(f"max_lag_steps={self.max_lag_steps!r} must be an int >= 1")
+        if not isinstance(self.verify_copies, bool):
+            raise TypeError(f"verify_copies={self.verify_copies!r} must be True or False")
 
     def local_policy(self, keep_full: int) -> Policy:
         return self.local if self.local is not None else KeepLast(keep_full)

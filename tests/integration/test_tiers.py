@@ -268,6 +268,32 @@ def test_a_copy_that_reads_back_differently_is_never_committed_and_names_the_fil
     assert start.tier == "local" and digest == reference[int(start)]
 
 
+def test_copies_are_not_read_back_with_verify_copies_false(tmp_path, reference, monkeypatch):
+    """verify_copies=False: the drainer never reads a copy back (no traffic of it on the shared
+    tier; its stats say so) and the shared tier alone still resumes exactly."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+
+    def never(*args, **kwargs):
+        raise AssertionError("a copy was read back with verify_copies=False")
+
+    monkeypatch.setattr(drainer_module, "check_copy", never)
+    model, opt, sched, sampler = wrapped(local, Tiers(str(shared), verify_copies=False))
+    try:
+        for _ in range(12):
+            forward_backward(model, sampler)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        opt.close()
+    drained = opt.stats()["tiers"]
+    assert drained["drained_files"] > 0 and drained["verify_s"] == 0.0 and drained["copy_s"] > 0
+    shutil.rmtree(local)
+    start, digest = resume_digest(local, shared)
+    assert start.tier == "shared" and int(start) == 12 and digest == reference[12]
+    with pytest.raises(TypeError, match="verify_copies"):
+        Tiers(str(shared), verify_copies=1)
+
+
 def test_a_dead_writers_tiers_marker_temporary_is_removed_at_open(tmp_path):
     import subprocess
     import sys
