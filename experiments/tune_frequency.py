@@ -376,8 +376,9 @@ class Launcher:
             import multiprocessing
 
             self._context = multiprocessing.get_context("forkserver")
-            # "__main__": this script, and with it torch, lowdiff, recovery and gpt (experiments/).
-            self._context.set_forkserver_preload(["__main__"])
+            # (Python 3.11's forkserver imports neither "__main__" nor anything outside its default
+            # sys.path; the child then imports this script, whose heavy imports are these.)
+            self._context.set_forkserver_preload(["numpy", "torch", "lowdiff", "recovery"])
             warm = self._context.Process(target=time.sleep, args=(0,))   # start the server now, not in a life
             warm.start()
             warm.join()
