@@ -62,7 +62,7 @@ class BetweenStepsWatch:
 
     # ------------------------------------------------------------ the hook
     def _forward_starts(self, module, args) -> None:
-        if not self._armed or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self._armed:   # compiling first: no guard on _armed
             return
         if not (module.training and torch.is_grad_enabled()):
             return   # an evaluation forward: what it changed shows at the training forward

@@ -172,3 +172,27 @@ def test_the_hook_is_removed_at_close_and_the_first_window_after_resume_is_not_j
             wrapped.zero_grad()
         wrapped.close()
     assert lowdiff_warnings(run) == []
+
+
+@pytest.mark.parametrize("given", ["compiled", "inner"])
+def test_torch_compile_with_the_hook(tmp_path, given):
+    """The compiled module given to wrap: its hook runs outside the graph and still judges; the
+    inner module given while a compiled wrapper calls it: the hook is traced as doing nothing
+    (fullgraph=True compiles), so that loop is not judged."""
+    model, opt = make()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    wrapped = lowdiff.wrap(opt, compiled if given == "compiled" else model, tmp_path / "ckpt")
+
+    def run():
+        for step in range(1, 8):
+            compiled(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+            wrapped.step()
+            wrapped.zero_grad()
+            if step % 3 == 0:
+                validate(model, "train-mode")
+        wrapped.close()
+    messages = lowdiff_warnings(run)
+    if given == "compiled":
+        assert len(messages) == 1 and "'_orig_mod.1.running_mean'" in messages[0], messages
+    else:
+        assert messages == []
