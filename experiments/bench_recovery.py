@@ -12,20 +12,28 @@ where a gradient came from). Measured, page cache dropped before each recovery (
   lower-bound  all checkpoint bytes at the O_DIRECT read bandwidth measured here + the time of the
                replay's optimizer steps themselves (timed inside the naive recovery: same
                gradients, same optimizer state)
-  full-load    lowdiff's full-checkpoint load (read + verify) vs torch.distributed.checkpoint.load
+  full-load    lowdiff's full-checkpoint load (read + verify) against an O_DIRECT read of the same file
+               by the same engine (queue depth, chunks) into memory already faulted in (the device's
+               speed) and into new memory, interleaved rounds with CPU time and page faults; and
+               torch.distributed.checkpoint.load
 
 Then recovery time versus chain length (time travel: resume(step=K) on the same directory) with the
 read / decode / apply split. Prints tables and ratios; --csv writes the rows.
 
     python experiments/bench_recovery.py                       # gpt2-124m, chain 200 (slow on a CPU)
     python experiments/bench_recovery.py --model quick --chain 40 --lengths 0,20,40
+    python experiments/bench_recovery.py --full-load-only              # the full-checkpoint load table alone
+
+The load average (os.getloadavg) is printed with every table: this machine is shared.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -163,7 +171,8 @@ def read_bandwidth(directory: str, nbytes: int) -> float:
     return nbytes / elapsed
 
 
-def dcp_load_time(work: str, model_name: str) -> tuple[float, int]:
+def dcp_load_time(work: str, model_name: str, repeats: int = 1, cache: bool = True) -> tuple[float, int]:
+    """(median seconds of ``repeats`` DCP loads into the live state_dict, bytes on disk)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -177,12 +186,10 @@ def dcp_load_time(work: str, model_name: str) -> tuple[float, int]:
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     path = os.path.join(work, "dcp")
     dcp.save(state, checkpoint_id=path)
-    drop_caches()
-    started = time.perf_counter()
-    dcp.load(state, checkpoint_id=path)
-    elapsed = time.perf_counter() - started
+    seconds = statistics.median(measured(lambda: dcp.load(state, checkpoint_id=path), cache)[0]
+                                for _ in range(repeats))
     size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-    return elapsed, size
+    return seconds, size
 
 
 def table(rows: list, columns: list) -> None:
@@ -200,6 +207,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="0,50,100,200", help="chain lengths for the scaling table")
     parser.add_argument("--dir", help="work directory on the disk to measure (default: a temp dir here)")
     parser.add_argument("--csv", help="write the rows here")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the full-checkpoint load table")
+    parser.add_argument("--full-load-only", action="store_true",
+                        help="only the full-checkpoint load table (no chain, no naive recovery)")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     work = tempfile.mkdtemp(prefix="bench-recovery-", dir=args.dir or os.getcwd())
@@ -216,6 +226,10 @@ def run(args, work: str) -> int:
         "page cache NOT dropped (not root): reads may come from memory"
     compression = f"TopK {args.ratio}" if args.ratio else "Dense"
     log(f"bench_recovery: {args.model}, chain {args.chain}, {compression}, backend {fastio.backend()}; {cache}")
+    if args.full_load_only:
+        bandwidth = read_bandwidth(work, 256 << 20)
+        full_load_rows(directory, work, args.model, bandwidth, args.repeats, cache.startswith("page cache dropped"))
+        return 0
     make_run(directory, naive_dir, args.model, args.chain, args.ratio)
     step_s = optimizer_step_s(args.model)
     ckpt_bytes = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
@@ -244,7 +258,8 @@ def run(args, work: str) -> int:
     for row in rows:
         row["vs resume"] = f"{row['seconds'] / default:.2f}x"
         row["seconds"] = round(row["seconds"], 3)
-    print(f"\nrecovery of {args.chain} {compression} differentials, {args.model}, {cache}")
+    print(f"\nrecovery of {args.chain} {compression} differentials, {args.model}, {cache}; "
+          f"load average {load_average()}")
     print(f"O_DIRECT read bandwidth {bandwidth / 2**20:.0f} MiB/s; optimizer steps of the replay (timed inside "
           f"the naive recovery) {steps_s / args.chain * 1e3:.1f} ms each, inside the default resume "
           f"{resume_steps_s / args.chain * 1e3:.1f} ms each; one step on random dense gradients {step_s * 1e3:.1f} ms")
@@ -260,7 +275,7 @@ def run(args, work: str) -> int:
     # "3x" target is out of reach for every method, and the bound shows by how much.
     print(f"the most any exact recovery could gain over naive here: naive / lower bound = "
           f"{rows[0]['seconds'] / bound:.2f}")
-    rows += full_load_rows(directory, work, args.model, bandwidth)
+    rows += full_load_rows(directory, work, args.model, bandwidth, args.repeats, cache.startswith("page cache dropped"))
     rows += scaling_rows(directory, args)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
@@ -282,56 +297,82 @@ def full_with_optimizer_state(work: str, model_name: str) -> str:
     return next(os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.startswith("full-000000000001"))
 
 
-def fresh_read_s(path: str) -> float:
-    """One O_DIRECT read of the whole file into newly allocated memory: what any loader that
-    creates the state (a fresh optimizer's moments) pays for first-touch page faults on top of
-    the device (on this VM they are erratic and can cost as much as the read)."""
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def measured(fn, cache: bool) -> tuple[float, float, int]:
+    """(seconds, process CPU seconds, minor page faults) of ``fn()``, page cache dropped first
+    (``cache``: drop_caches worked). CPU and faults include every thread of the process (the
+    fastio ring's thread takes the destination's page faults inside io_uring_enter)."""
+    if cache:
+        drop_caches()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return elapsed, cpu, after.ru_minflt - before.ru_minflt
+
+
+def full_load_cases(path: str, model_name: str) -> dict:
+    """What is timed, each with the page cache dropped: the same file's bytes read by one fastio
+    O_DIRECT request (the engine's chunking and queue depth, as load_full uses) into memory that
+    is already faulted in (the device's speed) and into new memory (what any loader that creates
+    the state pays for first-touch page faults); load_full; load_full into a live model + AdamW."""
     size = os.path.getsize(path) // 4096 * 4096
-    drop_caches()
-    started = time.perf_counter()
-    buffer = fastio.aligned_buffer(size)
-    with fastio.Reader(path) as reader:
-        reader.read_into(0, buffer.view())
-    return time.perf_counter() - started
+    prefaulted = fastio.aligned_buffer(size, populate=True)
 
+    def read_into(buffer):
+        with fastio.Reader(path) as reader:
+            reader.read_into(0, buffer.view(0, size))
 
-def load_into_live_s(path: str, model_name: str) -> float:
-    """lowdiff's full checkpoint into a live model and a fresh AdamW (what DCP's load does)."""
     model = build_model(model_name, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    drop_caches()
-    started = time.perf_counter()
-    _, state = load_full(path)
-    model.load_state_dict(state.model)
-    opt.load_state_dict(state.optimizer)
-    return time.perf_counter() - started
+
+    def into_live():
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # fresh: its state comes from the file
+        _, state = load_full(path)
+        model.load_state_dict(state.model)
+        opt.load_state_dict(state.optimizer)
+    return {"device read, prefaulted memory": lambda: read_into(prefaulted),
+            "device read, fresh memory": lambda: read_into(fastio.aligned_buffer(size)),
+            "lowdiff load_full (read + verify)": lambda: load_full(path),
+            "lowdiff into live model + AdamW": into_live}
 
 
-def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float) -> list:
+def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float, repeats: int, cache: bool) -> list:
     log("full-checkpoint load vs DCP ...")
     full = full_with_optimizer_state(work, model_name)
     size = os.path.getsize(full)
-    drop_caches()
-    started = time.perf_counter()
-    load_full(full)
-    ours = time.perf_counter() - started
-    live = load_into_live_s(full, model_name)
-    fresh = fresh_read_s(full)
-    dcp_s, dcp_bytes = dcp_load_time(work, model_name)
-    rows = [{"method": "device read, prefaulted memory", "seconds": round(size / bandwidth, 3), "bytes": size,
-             "of device bw": "1.00"},
-            {"method": "device read, fresh memory", "seconds": round(fresh, 3), "bytes": size,
-             "of device bw": f"{size / fresh / bandwidth:.2f}"},
-            {"method": "lowdiff load_full (read + verify)", "seconds": round(ours, 3), "bytes": size,
-             "of device bw": f"{size / ours / bandwidth:.2f}"},
-            {"method": "lowdiff into live model + AdamW", "seconds": round(live, 3), "bytes": size,
-             "of device bw": f"{size / live / bandwidth:.2f}"},
-            {"method": "DCP load into live state_dict", "seconds": round(dcp_s, 3), "bytes": dcp_bytes,
-             "of device bw": f"{dcp_bytes / dcp_s / bandwidth:.2f}"}]
-    print("\nfull-checkpoint load, page cache dropped before each")
-    table(rows, ["method", "seconds", "bytes", "of device bw"])
-    print(f"lowdiff into live / DCP time = {live / dcp_s:.2f}; lowdiff load_full at {size / ours / bandwidth:.2f} "
-          f"of the device's read bandwidth (target >= 0.9), {fresh / ours:.2f} of a bare read into fresh memory")
+    cases = full_load_cases(full, model_name)
+    times: dict = {name: [] for name in cases}
+    for _ in range(repeats):   # interleaved: a shared machine's load drifts alike for every case
+        for name, fn in cases.items():
+            times[name].append(measured(fn, cache))
+    dcp_s, dcp_bytes = dcp_load_time(work, model_name, repeats, cache)
+    device_s = statistics.median(t for t, _, _ in times["device read, prefaulted memory"])
+    rows = []
+    for name, runs in times.items():
+        seconds = statistics.median(t for t, _, _ in runs)
+        rows.append({"method": name, "seconds": round(seconds, 3), "bytes": size,
+                     "of device bw": f"{device_s / seconds:.2f}",
+                     "cpu_s": round(statistics.median(c for _, c, _ in runs), 2),
+                     "page_faults": int(statistics.median(f for _, _, f in runs))})
+    dcp_of_device = dcp_bytes / dcp_s / (size / device_s)
+    rows.append({"method": "DCP load into live state_dict", "seconds": round(dcp_s, 3), "bytes": dcp_bytes,
+                 "of device bw": f"{dcp_of_device:.2f}"})
+    by_name = {row["method"]: row for row in rows}
+    ours, live, fresh = (float(by_name[n]["seconds"]) for n in ("lowdiff load_full (read + verify)",
+                                                                "lowdiff into live model + AdamW",
+                                                                "device read, fresh memory"))
+    print(f"\nfull-checkpoint load, {size / 2**20:.0f} MiB, median of {repeats} interleaved rounds, "
+          f"{'page cache dropped before each' if cache else 'page cache NOT dropped'}; load average {load_average()}")
+    table(rows, ["method", "seconds", "bytes", "of device bw", "cpu_s", "page_faults"])
+    print(f"device read of this file {size / device_s / 2**30:.2f} GiB/s (the bandwidth measured at the start: "
+          f"{bandwidth / 2**30:.2f} GiB/s); lowdiff load_full at {device_s / ours:.2f} of the device's read bandwidth "
+          f"(target >= 0.9), {fresh / ours:.2f} of a bare read into fresh memory; lowdiff into live / DCP time = "
+          f"{live / dcp_s:.2f}")
     return rows
 
 
@@ -344,7 +385,7 @@ def scaling_rows(directory: str, args) -> list:
         rows.append({"method": f"resume step={length}", "chain": length, "seconds": round(seconds, 3),
                      "load_s": round(result.load_s, 3), "read_s": round(result.read_s, 3),
                      "decode_s": round(result.decode_s, 3), "apply_s": round(result.apply_s, 3)})
-    print("\nrecovery time versus chain length (time travel on one directory)")
+    print(f"\nrecovery time versus chain length (time travel on one directory); load average {load_average()}")
     table(rows, ["chain", "seconds", "load_s", "read_s", "decode_s", "apply_s"])
     return rows
 
