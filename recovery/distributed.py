@@ -46,7 +46,7 @@ class FullSet:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What rank 0 found in the rank directories, sent to every rank."""
-    sets: list                 # FullSet at or before the asked step, newest first
+    sets: list                 # FullSet at or before the asked step, newest first (ties: furthest reach)
     newest: int                # the newest step any rank directory lists
     ranges: list               # [(first, last)] steps the complete sets reach (time travel targets)
     retained: str              # the same, in words, for errors
@@ -85,6 +85,11 @@ def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
                        for i in range(fset.count))
         files = tuple(os.path.join(rank_directory(root, i), e.file) for i, e in enumerate(entries))
         sets.append(FullSet(fset.step, fset.session, fset.count, files, chains, fset.reach(manifests)))
+    # Newest step first; among sets of one step (a run resumed at a full set's step writes its base
+    # set there too, in a new session), the one whose chain reaches furthest — not the session
+    # names' order, which is random: the abandoned timeline's set, its chain dropped, reaches only
+    # its own step.
+    sets.sort(key=lambda s: (s.step, s.reach), reverse=True)
     ranges = retained_ranges(manifests, every)
     return Plan(sets, newest, ranges, describe_ranges(ranges, every))
 

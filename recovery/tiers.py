@@ -11,8 +11,7 @@ import os
 import torch.distributed as dist
 
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
-from lowdiff.manifest import Manifest
-from lowdiff.partition import is_partitioned, read_manifests
+from lowdiff.partition import is_partitioned
 from lowdiff.tiers import read_marker
 
 from .distributed import plan_sets, restore_partitioned
@@ -88,17 +87,15 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
 def tier_reach(root: str, stop_step: int | None) -> int:
     """The step the newest complete full set of the partitioned directory ``root`` reaches by its
     manifests (at or before ``stop_step``): the smallest over its shares' chains; -1 for none.
-    Its records may still fail to verify (the restore then ends earlier)."""
+    Its records may still fail to verify (the restore then ends earlier).
+
+    The manifests are the reconciled views restore plans with (recovery.distributed.plan): a rank
+    whose MANIFEST.json is missing or damaged has its list rebuilt from its share files, so a tier
+    is neither under-estimated (a better tier passed over) nor judged by shares restore ignores."""
     sets, _ = plan_sets(root, stop_step)
     if not sets:
         return -1
-    newest = sets[0]
-    manifests = read_manifests(root, range(newest.count))
-    ends = []
-    for i, names in enumerate(newest.chains):
-        batches = {b.file: b for b in (manifests.get(i) or Manifest()).batches}
-        ends.append(batches[names[-1]].last if names and names[-1] in batches else newest.step)
-    reach = min(ends)
+    reach = sets[0].reach
     return reach if stop_step is None else min(reach, stop_step)
 
 
