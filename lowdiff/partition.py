@@ -173,10 +173,21 @@ def read_views(root, ranks=None, **options) -> dict[int, Inventory]:
     """The reconciled view of each rank directory (lowdiff.inventory): what readers (resume,
     verify, inspect) use. A rank's missing or damaged manifest is rebuilt from its share files,
     which describe themselves, so the durable shares it listed are still found (the inventory's
-    notes say what was rebuilt). Raises what take_inventory raises for a foreign manifest, a file
-    of another version or a directory that never holds still (``options``: take_inventory's)."""
+    notes say what was rebuilt; a rank directory that does not exist is left out). Raises what
+    take_inventory raises for a foreign manifest, a file of another version or a directory that
+    never holds still (``options``: take_inventory's)."""
     ranks = sorted(rank_directories(root)) if ranks is None else ranks
-    return {rank: take_inventory(rank_directory(root, rank), **options) for rank in ranks}
+    out = {}
+    for rank in ranks:
+        directory = rank_directory(root, rank)
+        try:
+            out[rank] = take_inventory(directory, **options)
+        except FileNotFoundError:
+            if os.path.isdir(directory):
+                raise
+            # Gone since it was listed: a dropped rank's directory, removed once it held nothing
+            # (lowdiff.shareretention). A rank without a directory lists no share.
+    return out
 
 
 def partition_for(root, rank: int, world: int, params: list) -> Partition | None:
