@@ -10,12 +10,14 @@ import hashlib
 import os
 import random
 import signal
+import types
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import lowdiff
+import lowdiff.store
 import recovery
 from lowdiff.demo import ShuffledSampler, state_digest
 
@@ -131,6 +133,10 @@ def main():
     p.add_argument("--flush", action="store_true", help="flush after every step")
     p.add_argument("--replica", action="store_true", help="replica mode (LowDiff+; with --compressor dense)")
     p.add_argument("--resume-only", action="store_true", help="resume, write the digest line, stop")
+    p.add_argument("--resume-step", type=int, help="resume the wrapped optimizer at this step (time travel), "
+                                                   "then train on")
+    p.add_argument("--lowest-session", action="store_true",
+                   help="name this run's session 00000000, before any other (rank 0's is every rank's)")
     p.add_argument("--travel", type=lambda s: [int(k) for k in s.split(",")],
                    help="resume a plain optimizer at each of these steps (read only), write 'travel K FULL "
                         "SHARED' or 'travel-error K MESSAGE' lines, stop")
@@ -140,13 +146,15 @@ def main():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world)
     model, ddp, opt, sched, sampler = build(args)
+    if args.lowest_session:   # sets of two sessions at one step: the order of their names is not the answer
+        lowdiff.store.secrets = types.SimpleNamespace(token_hex=lambda nbytes: "0" * (2 * nbytes))
     if args.travel:
         time_travel(args, model, ddp, opt, sched, sampler)
         return
     opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), full_every=args.full_every,
                        batch_steps=args.batch_steps, scheduler=sched, extra_state={"sampler": sampler},
                        replica=args.replica)
-    start = recovery.resume(args.dir, ddp, opt)
+    start = recovery.resume(args.dir, ddp, opt, step=args.resume_step)
     with open(args.digests, "a") as out:
         out.write(f"resumed {start} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
         out.write(f"from-full {start.full_step}\n")

@@ -5,7 +5,6 @@ import socket
 import subprocess
 import sys
 
-
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 WORLD = 2
 

@@ -7,10 +7,8 @@ chain where it is torn; time travel to every retained step at 1 and 2 ranks; ret
 directories of ranks a run resumed with fewer ranks dropped."""
 import logging
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -24,67 +22,7 @@ from lowdiff.sharefile import parse_diff_share
 
 sys.path.insert(0, os.path.dirname(__file__))
 import partition_worker  # noqa: E402
-
-WORKER = os.path.join(os.path.dirname(__file__), "partition_worker.py")
-STEPS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180, steps=STEPS):
-    """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does).
-    Returns [(exit code, stderr)] by rank."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ)
-        if fault is not None and rank == fault_rank:
-            env["LOWDIFF_FAULT"] = fault
-        args = [sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
-                "--steps", str(steps), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
-        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode == -9 for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.05)
-    return [(p.returncode, p.communicate()[1]) for p in procs]
-
-
-def digests(path):
-    """(resumed step, {step: (full digest, shared digest)})."""
-    resumed, out = None, {}
-    with open(path) as f:
-        for line in f:
-            parts = line.split()
-            if parts[0] == "resumed":
-                resumed = int(parts[1])
-                out[resumed] = (parts[2], parts[3])
-            elif parts[0] == "from-full":
-                continue
-            else:
-                out[int(parts[0])] = (parts[1], parts[2])
-    return resumed, out
-
-
-def ok(results):
-    for code, err in results:
-        assert code == 0, err
-    return "".join(err for _, err in results)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted 2-rank TopK run: its digests per rank and its directory."""
-    base = tmp_path_factory.mktemp("reference")
-    ok(launch(base / "ckpt", base / "ref", 2))
-    return [digests(base / f"ref-{rank}.txt")[1] for rank in range(2)], base / "ckpt"
+from partition_runs import STEPS, checkpoint_files, copy_directory, digests, launch, ok  # noqa: E402
 
 
 def test_one_rank_killed_then_resumed_with_1_2_and_3_ranks(tmp_path, reference):
@@ -228,13 +166,7 @@ def test_cli_understands_partitioned_directories(tmp_path, reference, capsys):
 
 
 def _copy(directory, tmp_path):
-    copy = tmp_path / "ckpt"
-    subprocess.run(["cp", "-a", str(directory), str(copy)], check=True)
-    return copy
-
-
-def _checkpoint_files(directory):
-    return sorted(n for n in os.listdir(directory) if n.startswith(("full-", "diff-")))
+    return copy_directory(directory, tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
@@ -242,7 +174,7 @@ def test_damaged_or_missing_rank_manifest_loses_nothing(tmp_path, reference, cap
     ref, directory = reference
     copy = _copy(directory, tmp_path)
     manifest = copy / "rank-00001" / "MANIFEST.json"
-    files = _checkpoint_files(copy / "rank-00001")
+    files = checkpoint_files(copy / "rank-00001")
     data = manifest.read_bytes()
     if damage == "corrupt":
         manifest.write_bytes(data.replace(b'"step": 12', b'"step": 13'))   # valid JSON, checksum fails
@@ -258,7 +190,7 @@ def test_damaged_or_missing_rank_manifest_loses_nothing(tmp_path, reference, cap
         start, shared = _resume_in_process(copy)
     assert int(start) == STEPS and shared == ref[0][STEPS][1]    # the newest complete step, exact
     assert "rank-00001" in caplog.text and "rebuil" in caplog.text
-    assert _checkpoint_files(copy / "rank-00001") == files       # nothing the manifest lost is deleted
+    assert checkpoint_files(copy / "rank-00001") == files       # nothing the manifest lost is deleted
     if damage == "truncate":   # real ranks: both land on the newest step with their own state
         ok(launch(copy, tmp_path / "w2", 2, "--resume-only"))
         for rank in range(2):
@@ -276,7 +208,7 @@ def _record_offset(path, step):
 def test_torn_differential_share_ends_the_chain(tmp_path, reference, caplog, capsys, tear):
     ref, directory = reference
     copy = _copy(directory, tmp_path)
-    share = copy / "rank-00001" / next(n for n in _checkpoint_files(copy / "rank-00001")
+    share = copy / "rank-00001" / next(n for n in checkpoint_files(copy / "rank-00001")
                                        if n.startswith("diff-000000000013-"))   # steps 13..15
     data = bytearray(share.read_bytes())
     if tear == "truncated":
@@ -352,9 +284,9 @@ def test_retention_cleans_the_ranks_a_resumed_run_dropped(tmp_path, reference, c
     not before (the older complete set stays while it is among the newest keep_full)."""
     _, directory = reference
     copy = _copy(directory, tmp_path)
-    old = _checkpoint_files(copy / "rank-00001")
+    old = checkpoint_files(copy / "rank-00001")
     ok(launch(copy, tmp_path / "one", 1, steps=20))   # resumed at 16: full sets 12 (2 shares), 16+
-    kept = _checkpoint_files(copy / "rank-00001")
+    kept = checkpoint_files(copy / "rank-00001")
     assert any(n.startswith("full-000000000012-") for n in kept) and not any(n.startswith("full-000000000006-")
                                                                              for n in kept)
     assert set(kept) < set(old)
@@ -365,11 +297,11 @@ def test_retention_cleans_the_ranks_a_resumed_run_dropped(tmp_path, reference, c
     killed = launch(copy, tmp_path / "killed", 1, steps=32, fault_rank=0, fault="dropped-clean:1")
     assert killed[0][0] == -9
     listed = read_manifest(str(copy / "rank-00001")).files()
-    assert listed < set(kept) and listed <= set(_checkpoint_files(copy / "rank-00001"))
-    assert _checkpoint_files(copy / "rank-00001") != sorted(listed)   # retired files are left over
+    assert listed < set(kept) and listed <= set(checkpoint_files(copy / "rank-00001"))
+    assert checkpoint_files(copy / "rank-00001") != sorted(listed)   # retired files are left over
     ok(launch(copy, tmp_path / "one", 1, steps=32))
-    assert _checkpoint_files(copy / "rank-00001") == []
-    assert len([n for n in _checkpoint_files(copy / "rank-00000") if n.startswith("full-")]) == 2
+    assert not (copy / "rank-00001").exists()                       # emptied, then removed
+    assert len([n for n in checkpoint_files(copy / "rank-00000") if n.startswith("full-")]) == 2
     assert cli(["verify", str(copy)]) == 0
     _, trained = digests(tmp_path / "one-0.txt")
     step, got = _resume_in_process(copy)

@@ -1,0 +1,70 @@
+"""Running partition_worker.py ranks as real processes (gloo) and reading what they report; shared
+by the partitioned-directory tests (the uninterrupted reference run is conftest.py's fixture)."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+WORKER = os.path.join(os.path.dirname(__file__), "partition_worker.py")
+STEPS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180, steps=STEPS):
+    """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does).
+    Returns [(exit code, stderr)] by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        if fault is not None and rank == fault_rank:
+            env["LOWDIFF_FAULT"] = fault
+        args = [sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
+                "--steps", str(steps), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode == -9 for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    return [(p.returncode, p.communicate()[1]) for p in procs]
+
+
+def digests(path):
+    """(resumed step, {step: (full digest, shared digest)})."""
+    resumed, out = None, {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] == "resumed":
+                resumed = int(parts[1])
+                out[resumed] = (parts[2], parts[3])
+            elif parts[0] == "from-full":
+                continue
+            else:
+                out[int(parts[0])] = (parts[1], parts[2])
+    return resumed, out
+
+
+def ok(results):
+    """The ranks' stderr joined, after checking that every rank exited cleanly."""
+    for code, err in results:
+        assert code == 0, err
+    return "".join(err for _, err in results)
+
+
+def copy_directory(directory, target):
+    subprocess.run(["cp", "-a", str(directory), str(target)], check=True)
+    return target
+
+
+def checkpoint_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith(("full-", "diff-")))
