@@ -62,10 +62,11 @@ DECIDE_WITHOUT_PROBE_FULLS = 3   # "auto" waits for its first probe this many fu
 # What is measured (each a window of samples). Step intervals are kept apart by whether the step
 # recorded a differential and whether a full checkpoint was in flight ("busy").
 # A step whose interval holds a full checkpoint's stall is measured apart too ("full_step_s"), so
-# that a full checkpoint every step or two is charged what it costs. "record_ratio": a probe's
-# median step with differentials over its median step without.
+# that a full checkpoint every step or two is charged what it costs. "full_cost_s": per full
+# checkpoint, what that step and the steps overlapping its persist took longer than the clean steps
+# just before it. "record_ratio": a probe's median step with differentials over its median step without.
 MEASURED = ("step_s", "busy_step_s", "bare_step_s", "bare_busy_step_s", "full_step_s", "bare_full_step_s",
-            "optimizer_step_s", "record_s", "record_ratio", "stall_s", "persist_s", "full_bytes",
+            "full_cost_s", "optimizer_step_s", "record_s", "record_ratio", "stall_s", "persist_s", "full_bytes",
             "batch_write_s", "batch_bytes", "batch_steps", "decode_s", "replay_record_s", "load_s", "restart_s")
 
 
@@ -156,6 +157,8 @@ class Controller:
         # Clean step intervals of the current full interval, newest last: (recording, seconds).
         self._interval: collections.deque[tuple[bool, float]] = collections.deque(maxlen=4 * PROBE_STEPS)
         self._after_full = False                 # the next step interval holds a full checkpoint's stall
+        # The full checkpoint being charged: (clean step before it, extra seconds so far), or None.
+        self._full_charge: list[float] | None = None
         self.history: list[Decision] = []
         self.current: Evaluation | None = None   # the model's prediction for the settings in force
         self._windows = {name: _Window() for name in MEASURED}
@@ -276,6 +279,12 @@ class Controller:
                     if not busy:
                         clean_s = interval_s
                 self._windows[name].add(interval_s)
+                charge = self._full_charge
+                if charge is not None:
+                    if clean_s is None:
+                        charge[1] += interval_s - charge[0]
+                    else:
+                        self._charge_full_locked()
             self._after_full = False
             self._last_step_end = now
             self._windows["optimizer_step_s"].add(optimizer_step_s)
@@ -328,6 +337,12 @@ class Controller:
             if len(baseline) >= 2:
                 self._probe = _Probe(True, baseline, self._fulls_seen)
 
+    def _charge_full_locked(self) -> None:
+        """The full checkpoint being charged has no more slow steps: one sample of its cost."""
+        charge, self._full_charge = self._full_charge, None
+        if charge is not None:
+            self._windows["full_cost_s"].add(max(0.0, charge[1]))
+
     def _end_probe_locked(self) -> None:
         probe, self._probe = self._probe, None
         if probe is None:
@@ -350,6 +365,12 @@ class Controller:
             self._windows["stall_s"].add(stall_s)
             self.samples["full_stall_s"].append(stall_s)
             self._after_full = True     # the next step interval holds the stall (see _full_cost_locked)
+            self._charge_full_locked()  # the previous one, if no clean step came between
+            kind = self.differentials_wanted
+            recent = [s for rec, s in self._interval if rec == kind] or \
+                list(self._windows["step_s" if kind else "bare_step_s"].samples)[-PROBE_STEPS:]
+            if recent:
+                self._full_charge = [statistics.median(recent[-2 * PROBE_STEPS:]), 0.0]
             self._persist_in_flight = True
             self._steps_since_full = 0
             self._fulls_seen += 1
@@ -465,6 +486,9 @@ class Controller:
         (about (persist - busy step) / busy step of them); never less than the stall. Compared within
         the kind of step in force (with or without differentials), or else the other."""
         stall_s, persist_s = self._windows["stall_s"].value or 0.0, self._windows["persist_s"].value or 0.0
+        charged_s = self._windows["full_cost_s"].value
+        if charged_s is not None:
+            return max(stall_s, charged_s)
         kinds = [("full_step_s", "busy_step_s", "step_s"), ("bare_full_step_s", "bare_busy_step_s", "bare_step_s")]
         if not self.differentials_wanted:
             kinds.reverse()

@@ -238,12 +238,14 @@ class FakeSession:
     """What lowdiff.session does with the controller's switch, step by step, on a fake clock:
     differentials stop at once, start again only after a full checkpoint (the step that sees the
     change takes one). Steps take ``with_s`` recording (of which the training thread sees
-    ``in_thread_s``), ``without_s`` not; a full checkpoint stalls ``stall_s`` and persists at once;
-    a batch of 4 records is written every 4 recorded steps."""
+    ``in_thread_s``), ``without_s`` not; a full checkpoint stalls ``stall_s``, slows the step
+    after it by ``full_slowdown_s`` and persists at once; a batch of 4 records is written every 4
+    recorded steps."""
 
-    def __init__(self, controller, monkeypatch, with_s=0.13, without_s=0.10, in_thread_s=0.005, stall_s=0.0):
+    def __init__(self, controller, monkeypatch, with_s=0.13, without_s=0.10, in_thread_s=0.005, stall_s=0.0,
+                 full_slowdown_s=0.0):
         self.controller, self.with_s, self.without_s = controller, with_s, without_s
-        self.in_thread_s, self.stall_s = in_thread_s, stall_s
+        self.in_thread_s, self.stall_s, self.full_slowdown_s = in_thread_s, stall_s, full_slowdown_s
         self.now = 100.0
         monkeypatch.setattr("lowdiff.controller.time.perf_counter", lambda: self.now)
         self.recording = controller.differentials
@@ -260,6 +262,8 @@ class FakeSession:
             elif not wanted and self.recording:
                 self.recording = False
             self.now += self.with_s if self.recording else self.without_s
+            if self.fulls and self.fulls[-1] == self.step - 1:
+                self.now += self.full_slowdown_s
             c.step_finished(0.01, self.recording)
             self.modes.append(self.recording)
             if self.recording:
@@ -346,3 +350,18 @@ def test_full_checkpoints_every_step_are_charged_what_those_steps_take_longer(mo
     session = FakeSession(controller, monkeypatch, without_s=0.16)
     session.run(20)
     assert controller.costs().stall_s == pytest.approx(0.06)
+
+
+def test_a_full_checkpoint_is_charged_against_the_clean_steps_just_before_it(monkeypatch):
+    """The step after a full checkpoint takes 50 ms longer (its copy and persist compete with it).
+    The machine's load then doubles every step: medians of steps after full checkpoints (one
+    sample per checkpoint, so a longer memory) against medians of clean steps would say the full
+    checkpoints cost nothing; each one charged against the steps just before it costs 50 ms."""
+    controller = Controller(WrapConfig(full_every=10, batch_steps=4))
+    session = FakeSession(controller, monkeypatch, with_s=0.1, full_slowdown_s=0.05)
+    session.run(200)
+    session.with_s = 0.2
+    session.run(70)
+    assert controller._windows["full_step_s"].value == pytest.approx(0.15)   # mostly from before the change
+    assert controller._windows["step_s"].value == pytest.approx(0.2)
+    assert controller.costs().stall_s == pytest.approx(0.05)
