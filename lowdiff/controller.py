@@ -67,7 +67,9 @@ DECIDE_WITHOUT_PROBE_FULLS = 3   # "auto" waits for its first probe this many fu
 # just before it. "record_ratio": a probe's median step with differentials over its median step without.
 MEASURED = ("step_s", "busy_step_s", "bare_step_s", "bare_busy_step_s", "full_step_s", "bare_full_step_s",
             "full_cost_s", "optimizer_step_s", "record_s", "record_ratio", "stall_s", "persist_s", "full_bytes",
-            "batch_write_s", "batch_bytes", "batch_steps", "decode_s", "replay_record_s", "load_s", "restart_s")
+            "batch_write_s", "batch_bytes", "batch_steps", "decode_s", "replay_record_s", "replay_records",
+            "replay_total_s", "load_s", "restart_s")
+REPLAY_MIN_RECORDS = 8        # a resume's replay per record is trusted alone from this many records on
 
 
 def process_age_s() -> float | None:
@@ -259,6 +261,8 @@ class Controller:
                 self._windows["load_s"].add(load_s)
             if replayed > 0:
                 self._windows["replay_record_s"].add(replay_s / replayed)
+                self._windows["replay_records"].add(float(replayed))
+                self._windows["replay_total_s"].add(replay_s)
             if age_s is not None:
                 self._windows["restart_s"].add(max(0.0, age_s - load_s - replay_s))
 
@@ -466,8 +470,9 @@ class Controller:
         if batch_writes and v["batch_steps"]:
             diff_bytes_per_step = v["batch_bytes"] / v["batch_steps"]
             fixed_s = statistics.median(max(0.0, s - b / bandwidth) for s, b in batch_writes)
-        if v["replay_record_s"] is not None:
-            replay_s = v["replay_record_s"]       # what resumes of this directory really took
+        replay_fit = self._replay_fit_locked()
+        if replay_fit is not None:
+            replay_fixed_s, replay_s = replay_fit     # what resumes of this directory really took
         elif v["optimizer_step_s"] is not None:
             # Reading assumes the read bandwidth equals the write bandwidth (docs/controller.md).
             # Copying a record into the gradients is not timed in training (the training thread's
@@ -475,9 +480,33 @@ class Controller:
             replay_s = replay_estimate(v["optimizer_step_s"], 0.0, diff_bytes_per_step / bandwidth,
                                        v["decode_s"] or 0.0, _replay_workers())
         load_s = v["load_s"] if v["load_s"] is not None else v["full_bytes"] / bandwidth
+        if replay_fit is not None:
+            load_s += replay_fixed_s                  # a resume's replay costs this even for one record
         return Costs(step_s=step_s, record_s=record_s, stall_s=self._full_cost_locked(), persist_s=v["persist_s"],
                      full_bytes=v["full_bytes"], batch_fixed_s=fixed_s, diff_bytes_per_step=diff_bytes_per_step,
                      write_bytes_per_s=bandwidth, replay_s=replay_s, load_s=load_s, restart_s=v["restart_s"] or 0.0)
+
+    def _replay_fit_locked(self) -> tuple[float, float] | None:
+        """(fixed seconds per resume, seconds per record) of replay, from what resumes measured:
+        total = fixed + per_record * records, fitted by least squares once resumes of different
+        lengths were seen (a resume of two records spends most of its replay time setting up: its
+        time per record is no measure of a long chain's); from one length alone, only if it is at
+        least REPLAY_MIN_RECORDS records. None: not measured yet."""
+        records = list(self._windows["replay_records"].samples)
+        totals = list(self._windows["replay_total_s"].samples)
+        if not records or len(records) != len(totals):
+            return None
+        if len(set(records)) >= 2:
+            mean_n, mean_t = statistics.fmean(records), statistics.fmean(totals)
+            var_n = sum((n - mean_n) ** 2 for n in records)
+            per_record = sum((n - mean_n) * (t - mean_t) for n, t in zip(records, totals)) / var_n
+            fixed = mean_t - per_record * mean_n
+            if per_record > 0 and fixed >= 0:
+                return fixed, per_record
+        long_ones = [t / n for n, t in zip(records, totals) if n >= REPLAY_MIN_RECORDS]
+        if long_ones:
+            return 0.0, statistics.median(long_ones)
+        return None
 
     def _full_cost_locked(self) -> float:
         """What one full checkpoint costs the training thread: what the step whose interval holds

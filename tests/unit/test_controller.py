@@ -365,3 +365,15 @@ def test_a_full_checkpoint_is_charged_against_the_clean_steps_just_before_it(mon
     assert controller._windows["full_step_s"].value == pytest.approx(0.15)   # mostly from before the change
     assert controller._windows["step_s"].value == pytest.approx(0.2)
     assert controller.costs().stall_s == pytest.approx(0.05)
+
+
+def test_replay_per_record_is_fitted_apart_from_a_resumes_fixed_cost():
+    """Resumes replaying 2 and 20 records took 0.5 s and 1.4 s: 0.05 s per record and 0.4 s set-up
+    (charged with the load), not 0.25 s per record. A short resume alone is no measure of a record."""
+    controller = Controller(WrapConfig(full_every=10, batch_steps=4))
+    feed(controller, optimizer_s=0.01)
+    controller.resumed(load_s=0.3, replay_s=0.5, replayed=2)
+    assert controller.costs().replay_s == pytest.approx(0.01)      # still the estimate (the apply)
+    controller.resumed(load_s=0.3, replay_s=1.4, replayed=20)
+    c = controller.costs()
+    assert c.replay_s == pytest.approx(0.05) and c.load_s == pytest.approx(0.3 + 0.4)
