@@ -4,16 +4,29 @@ one copy of the state at the device's speed, and what does a differential every 
 1) Full-checkpoint write of the same state (parameters + two AdamW moments) with W = 1, 2, 3 ranks
    (processes, gloo) into one directory, timed from a barrier to the last rank's commit (write,
    fdatasync, rename, directory fsync): total bytes, time to durable, aggregate GB/s, against
-     device limit     the same number of bytes written by one process with O_DIRECT, 4 MiB requests,
-                      32 in flight through the raw io_uring ring (bench_write.py's), in this run;
+     device limit     the same number of bytes written by one process into a preallocated file
+                      (posix_fallocate, as fastio.Writer does) with O_DIRECT, 4 MiB requests, 32 in
+                      flight through the raw io_uring ring (bench_write.py's), measured before
+                      the first and after every run of ranks (interleaved, so that a load that
+                      changes during the benchmark moves both alike); and the same bytes as W
+                      files written at once by W threads, each with its own ring (W writers: one
+                      process at QD32 is not this virtual disk's ceiling);
      today's layout   every rank writes the whole state into its own rank directory.
    The state is staged (copied into aligned memory) before the barrier: this measures persistence.
+   Each run of ranks persists --persists times after one untimed persist: in training the I/O
+   engine (io_uring ring and its thread) and the staging slots live for the whole run, so only the
+   first full checkpoint of a process pays for starting them (column "first s"). A row is the
+   median over --repeat runs of the run's median persist, against the median of the device limits
+   measured between the runs; configurations rotate round by round.
 2) Step time of DDP training with 2 ranks, TopK(0.01) through lowdiff's comm hook, a differential
    recorded every step (batch_steps=10, one base full checkpoint before the timed steps), against
    the same DDP training with the same hook and no lowdiff (median over steps, rounds interleaved).
 
-Usage: python experiments/bench_distributed.py [--state-mib 384] [--repeat 3] [--steps 60] [--dir D]
-Writes a table to stdout and bench_distributed.csv next to --dir.
+The load average (os.getloadavg) is printed with the tables: this machine is shared.
+
+Usage: python experiments/bench_distributed.py [--state-mib 384] [--repeat 5] [--persists 5] [--steps 60]
+       [--dir D] [--csv experiments/results/bench_distributed.csv]
+Writes the tables to stdout and the rows to --csv.
 """
 from __future__ import annotations
 
@@ -26,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -39,6 +53,7 @@ import fastio  # noqa: E402
 import lowdiff  # noqa: E402
 from lowdiff.compress import TopK  # noqa: E402
 from lowdiff.ddp import CompressedAllReduce  # noqa: E402
+from lowdiff.format import PAGE  # noqa: E402
 from lowdiff.fullckpt import Snapshot  # noqa: E402
 from lowdiff.sharesnapshot import ShareSnapshot  # noqa: E402
 
@@ -61,22 +76,27 @@ def synthetic_state(state_bytes: int):
     return state, meta
 
 
-def _write_rank(rank, world, port, directory, state_bytes, layout, out):
+def _write_rank(rank, world, port, directory, state_bytes, layout, persists, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     state, meta = synthetic_state(state_bytes)
     snap = ShareSnapshot(rank, world) if layout == "shares" else Snapshot()
     snap.stage(1, state, meta)
     snap.copy(on_training_thread=True)
     os.makedirs(os.path.join(directory, f"rank-{rank:05d}"), exist_ok=True)
-    path = os.path.join(directory, f"rank-{rank:05d}", "full-000000000001-00000000.ldf")
-    dist.barrier()
-    started = time.time()
-    nbytes = snap.persist(path, "00000000")
-    done = time.time()
-    times = [None] * world
-    dist.all_gather_object(times, (started, done, nbytes))
+    runs = []
+    for i in range(persists + 1):   # the first one, untimed, starts the engine (see the module doc)
+        path = os.path.join(directory, f"rank-{rank:05d}", f"full-{i:012d}-00000000.ldf")
+        dist.barrier()
+        started = time.time()
+        nbytes = snap.persist(path, "00000000")
+        done = time.time()
+        times = [None] * world
+        dist.all_gather_object(times, (started, done, nbytes))
+        runs.append((max(t[1] for t in times) - min(t[0] for t in times), sum(t[2] for t in times)))
+        # Each persist writes a new file, as every full checkpoint does; none is deleted until the
+        # run ends, so that no deletion's work lands in a timed commit (see clean()).
     if rank == 0:
-        out.put((max(t[1] for t in times) - min(t[0] for t in times), sum(t[2] for t in times)))
+        out.put(runs)
     dist.destroy_process_group()
 
 
@@ -95,46 +115,86 @@ def run_world(fn, world, *args):
     return result
 
 
-def device_write(directory: str, nbytes: int) -> float:
-    """Seconds for one O_DIRECT sequential write of ``nbytes`` + fdatasync (bench_write's method)."""
+def clean(path: str) -> None:
+    """Delete ``path`` (a file or a tree) and sync: the deletion's journal commit (and, on a
+    filesystem mounted with "discard", as this machine's root is, the discard of the freed blocks)
+    happens here, untimed, not in the next timed fdatasync. (Measured once at W=1 for one 384 MiB
+    file: no difference within the noise; it is kept so that no run pays for another's deletions.)"""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    os.sync()
+
+
+def device_write(directory: str, nbytes: int, writers: int = 1) -> float:
+    """Seconds for ``nbytes`` written with posix_fallocate + O_DIRECT + fdatasync (bench_write's
+    method: 4 MiB requests, 32 in flight through a raw io_uring ring) as ``writers`` files of about
+    nbytes/writers written at once, each by its own thread and ring (as W ranks write their shares)."""
     import bench_write
-    buffer = fastio.aligned_buffer(nbytes, populate=True)
+    part = -(-nbytes // writers // PAGE) * PAGE
+    buffer = fastio.aligned_buffer(part, populate=True)
     buffer.numpy()[:] = 7
-    path = os.path.join(directory, "device.bin")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    paths = [os.path.join(directory, f"device-{i}.bin") for i in range(writers)]
+    fds = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644) for path in paths]
+
+    def write(fd: int) -> None:
+        # Preallocated, as fastio.Writer preallocates every checkpoint file (inside the time, as
+        # there): O_DIRECT writes into allocated extents skip block allocation, which on this ext4
+        # made lowdiff's write of a share faster than this write of a new file without it.
+        os.posix_fallocate(fd, 0, part)
+        bench_write._device_write_uring(fd, buffer.view(), part)
+        os.fdatasync(fd)
     try:
         started = time.perf_counter()
-        bench_write._device_write_uring(fd, buffer.view(), nbytes)
-        os.fdatasync(fd)
+        with ThreadPoolExecutor(writers) as pool:
+            list(pool.map(write, fds))
         return time.perf_counter() - started
     finally:
-        os.close(fd)
-        os.unlink(path)
+        for fd, path in zip(fds, paths):
+            os.close(fd)
+            clean(path)
 
 
-def bench_writes(args) -> list:
+def bench_writes(args) -> tuple:
+    """(rows, state bytes, load averages seen, device seconds of 1 writer): a row is (name, ranks,
+    bytes, median seconds, bytes/s, ratio to the median device limit of 1 writer, the same of as
+    many writers as ranks, median seconds of a run's first, untimed persist)."""
     state_bytes = args.state_mib << 20
-    rows = []
-    device = []
-    results: dict = {}
-    for _ in range(args.repeat):
-        device.append(device_write(args.dir, state_bytes))
-        for world in (1, 2, 3):
-            for layout in ("shares", "whole"):
-                if layout == "whole" and world == 1:
-                    continue
-                target = tempfile.mkdtemp(dir=args.dir)
-                results.setdefault((world, layout), []).append(
-                    run_world(_write_rank, world, target, state_bytes, layout))
-                shutil.rmtree(target)
-    device_s = statistics.median(device)
-    rows.append(("device limit (1 process, O_DIRECT QD32)", 1, state_bytes, device_s, state_bytes / device_s))
-    for (world, layout), runs in sorted(results.items()):
-        seconds = statistics.median(r[0] for r in runs)
+    configs = [(1, "shares"), (2, "shares"), (2, "whole"), (3, "shares"), (3, "whole")]
+    per_config: dict = {config: [] for config in configs}   # (seconds, bytes, first persist's seconds)
+    device: dict = {writers: [device_write(args.dir, state_bytes, writers)] for writers in (1, 2, 3)}
+    loads = [os.getloadavg()[0]]
+    for round_index in range(args.repeat):
+        # The order rotates round by round: no configuration always follows the same one.
+        for world, layout in configs[round_index % len(configs):] + configs[:round_index % len(configs)]:
+            target = tempfile.mkdtemp(dir=args.dir)
+            first, *runs = run_world(_write_rank, world, target, state_bytes, layout, args.persists)
+            clean(target)
+            device[1].append(device_write(args.dir, state_bytes))
+            if world > 1:
+                device[world].append(device_write(args.dir, state_bytes, world))
+            seconds = statistics.median(r[0] for r in runs)
+            per_config[(world, layout)].append((seconds, runs[0][1], first[0]))
+        loads.append(os.getloadavg()[0])
+    # Against the median of the device limits measured between the runs: a paired ratio (each run
+    # against the limits just around it) was tried, and one device sample slowed by the other jobs
+    # on this machine (up to 5x) swung the runs it was paired with.
+    limit = {writers: state_bytes / statistics.median(samples) for writers, samples in device.items()}
+    nan = float("nan")
+    rows = [("device limit (1 process, O_DIRECT QD32)", 1, state_bytes, state_bytes / limit[1], limit[1], 1.0,
+             limit[1] / limit[1], nan)]
+    rows += [(f"device limit ({writers} writers at once)", writers, state_bytes, state_bytes / limit[writers],
+              limit[writers], limit[writers] / limit[1], 1.0, nan) for writers in (2, 3)]
+    for world, layout in sorted(configs):
+        runs = per_config[(world, layout)]
         nbytes = runs[0][1]
+        seconds = statistics.median(r[0] for r in runs)
         name = "lowdiff shares (partitioned)" if layout == "shares" else "today: every rank writes all"
-        rows.append((name, world, nbytes, seconds, nbytes / seconds))
-    return rows, state_bytes, state_bytes / device_s
+        bw = nbytes / seconds
+        rows.append((name, world, nbytes, seconds, bw, bw / limit[1], bw / limit[world],
+                     statistics.median(r[2] for r in runs)))
+    return rows, state_bytes, loads, device[1]
 
 
 class Mlp(torch.nn.Module):
@@ -194,23 +254,44 @@ def bench_steps(args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--state-mib", type=int, default=384, help="full checkpoint state size")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5, help="runs of ranks per configuration (and step rounds)")
+    parser.add_argument("--persists", type=int, default=5, help="timed persists per run of ranks (after one untimed)")
     parser.add_argument("--steps", type=int, default=60, help="timed DDP steps per round")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (4 layers) for the step benchmark")
-    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir here)")
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary "
+                                                    "directory under experiments/results)")
+    parser.add_argument("--csv", default=os.path.join(REPO_ROOT, "experiments", "results", "bench_distributed.csv"))
     args = parser.parse_args(argv)
-    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-dist-", dir=os.getcwd())
-    rows, state_bytes, device_bw = bench_writes(args)
-    print(f"full checkpoint of a {state_bytes / 2**20:.0f} MiB state (parameters + AdamW moments), "
-          f"median of {args.repeat}; device limit measured in this run")
-    print(f"{'layout':<42}{'ranks':>6}{'bytes':>14}{'x state':>9}{'time s':>9}{'GB/s':>8}{'x device':>10}")
-    for name, world, nbytes, seconds, bw in rows:
+    os.makedirs(os.path.join(REPO_ROOT, "experiments", "results"), exist_ok=True)
+    scratch = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-dist-", dir=os.path.join(REPO_ROOT, "experiments", "results"))
+    try:
+        return report(args)
+    finally:
+        if scratch:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def report(args) -> int:
+    started_load = os.getloadavg()
+    rows, state_bytes, loads, device = bench_writes(args)
+    print(f"full checkpoint of a {state_bytes / 2**20:.0f} MiB state (parameters + AdamW moments); each row the "
+          f"median of {args.repeat} runs of ranks x {args.persists} persists; device limit measured between the runs "
+          f"({len(device)} times with 1 writer: {min(device):.3f}..{max(device):.3f} s)")
+    print(f"load average (1 min) {started_load[0]:.2f} at the start, per round: "
+          + " ".join(f"{load:.2f}" for load in loads[1:]))
+    print(f"{'layout':<42}{'ranks':>6}{'bytes':>14}{'x state':>9}{'time s':>9}{'GB/s':>8}{'x device':>10}"
+          f"{'x W wr.':>9}{'first s':>9}")
+    for name, world, nbytes, seconds, bw, ratio, ratio_w, first in rows:
         print(f"{name:<42}{world:>6}{nbytes:>14}{nbytes / state_bytes:>9.3f}{seconds:>9.3f}{bw / 1e9:>8.2f}"
-              f"{bw / device_bw:>10.2f}")
+              f"{ratio:>10.2f}{ratio_w:>9.2f}" + (f"{first:>9.3f}" if first == first else f"{'-':>9}"))
+    print("(x device: against the median device limit of 1 writer; x W wr.: of as many writers as ranks, "
+          "each its own file and ring;\n first s: a process's first persist, not in the other columns — "
+          "it starts the I/O engine)")
     steps = bench_steps(args)
     overhead = steps["lowdiff"] / steps["baseline"] - 1
     print(f"\nDDP step, 2 ranks (gloo), MLP 4x{args.width}x{args.width}, TopK(0.01), median over "
-          f"{args.repeat}x{args.steps} steps")
+          f"{args.repeat}x{args.steps} steps (load average now {os.getloadavg()[0]:.2f})")
     print(f"  DDP + same compression, no checkpoints   {steps['baseline'] * 1e3:8.2f} ms")
     print(f"  lowdiff, a differential every step        {steps['lowdiff'] * 1e3:8.2f} ms   overhead {overhead:+.1%}")
     shares = [r for r in rows if r[0].startswith("lowdiff")]
@@ -219,18 +300,21 @@ def main(argv=None) -> int:
           f"{'MET' if all(r[2] <= TARGET_BYTES * state_bytes for r in shares) else 'NOT MET'} "
           f"(worst {max(r[2] for r in shares) / state_bytes:.3f})")
     # At every world size, like the bytes target (the best one alone would hide a world size that misses).
-    missed = [r[1] for r in shares if r[4] / device_bw < TARGET_BW]
-    print(f"  aggregate write bandwidth >= {TARGET_BW} x device at every world size: "
-          f"{'MET' if not missed else 'NOT MET at W=' + ','.join(map(str, missed))} "
-          f"(per world size: {', '.join(f'W={r[1]} {r[4] / device_bw:.2f}' for r in shares)})")
+    for column, what in ((5, "device limit (1 writer)"), (6, "device limit of as many writers as ranks")):
+        missed = [r[1] for r in shares if r[column] < TARGET_BW]
+        print(f"  aggregate write bandwidth >= {TARGET_BW} x {what} at every world size: "
+              f"{'MET' if not missed else 'NOT MET at W=' + ','.join(map(str, missed))} "
+              f"(per world size: {', '.join(f'W={r[1]} {r[column]:.2f}' for r in shares)})")
     print(f"  step overhead <= {TARGET_OVERHEAD:.0%}: {'MET' if overhead <= TARGET_OVERHEAD else 'NOT MET'} "
           f"({overhead:+.1%})")
-    with open(os.path.join(args.dir, "bench_distributed.csv"), "w", newline="") as f:
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    with open(args.csv, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["layout", "ranks", "bytes", "seconds", "bytes_per_s"])
+        writer.writerow(["layout", "ranks", "bytes", "seconds", "bytes_per_s", "x_device", "x_device_w_writers",
+                         "first_persist_s"])
         writer.writerows(rows)
-        writer.writerow(["step_baseline_s", 2, "", steps["baseline"], ""])
-        writer.writerow(["step_lowdiff_s", 2, "", steps["lowdiff"], ""])
+        writer.writerow(["step_baseline_s", 2, "", steps["baseline"], "", "", "", ""])
+        writer.writerow(["step_lowdiff_s", 2, "", steps["lowdiff"], "", "", "", ""])
     return 0
 
 
