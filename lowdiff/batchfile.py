@@ -44,19 +44,23 @@ class BatchReader:
         self._reader = fastio.Reader(path, engine=engine)
         self.index_error: CorruptCheckpointError | None = None
         try:
-            raw = container.read_index(path, self._reader.read, self._reader.size, container.KIND_DIFF)
-            self.index: BatchIndex | None = BatchIndex.from_json(path, raw, self._reader.size - container.TRAILER.size)
-            self.entries = list(self.index.records)
-        except CorruptCheckpointError as exc:
-            if isinstance(exc, container.ForeignFileError):
-                self._reader.close()
-                raise
-            self.index_error = exc
-            self.index = None
-            self.entries = self._scan()
-        except BaseException:  # VersionMismatchError and I/O errors: nothing to salvage here
+            index, self.entries = self._read_index()
+            self.index: BatchIndex | None = index
+        except BaseException:  # VersionMismatchError, a foreign file, I/O errors (the scan's too)
             self._reader.close()
             raise
+
+    def _read_index(self) -> tuple[BatchIndex | None, list]:
+        """(index, entries); (None, what a scan finds) when the index is damaged."""
+        try:
+            raw = container.read_index(self.path, self._reader.read, self._reader.size, container.KIND_DIFF)
+            index = BatchIndex.from_json(self.path, raw, self._reader.size - container.TRAILER.size)
+            return index, list(index.records)
+        except CorruptCheckpointError as exc:
+            if isinstance(exc, container.ForeignFileError):
+                raise
+            self.index_error = exc
+        return None, self._scan()   # outside the handler: an error here is not chained to the index's
 
     def _scan(self) -> list:
         entries = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -323,6 +324,22 @@ def test_foreign_file_under_a_checkpoint_name(run, ckpt, rng, capsys, caplog):
         read_manifest(ckpt)
     assert info.value.path == manifest
     check_resume(run, ckpt, 18, caplog, warns_about=MANIFEST_NAME)
+
+
+def test_a_batch_whose_scan_fails_leaves_no_descriptor_open(ckpt, monkeypatch):
+    """A torn batch's records are found by scanning; an I/O error during that scan raised from
+    BatchReader's constructor with its file still open (closed only by the garbage collector)."""
+    _, batches = files(ckpt)
+    path = batches[(22, 23)]
+    damage(path, "truncate", os.path.getsize(path) - 1)   # a torn trailer: the index is not used
+
+    def failing_scan(self):
+        raise OSError(errno.EIO, "injected read error", path)
+    monkeypatch.setattr(BatchReader, "_scan", failing_scan)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="injected read error"):
+        BatchReader(path)
+    assert set(os.listdir("/proc/self/fd")) <= before   # closed now, not by the garbage collector
 
 
 def test_wrong_version(run, ckpt, capsys, caplog, tmp_path):
