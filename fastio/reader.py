@@ -105,10 +105,10 @@ def _reopen_direct(fd: int, path: str) -> int:
     O_DIRECT. It is reopened through /proc/self/fd, not by ``path``: beside a live trainer whose
     retention unlinks (or a commit replaces) ``path`` after ``fd`` was opened, a second open by
     name would fail or, worse, read another file than ``fd``."""
-    proc_path = f"/proc/self/fd/{fd}"
-    if not os.path.exists(proc_path):   # no /proc: by name, and only if it is still the same file
-        proc_path = path
-    direct_fd, is_direct = open_file(proc_path, os.O_RDONLY, direct=True)
+    try:
+        direct_fd, is_direct = open_file(f"/proc/self/fd/{fd}", os.O_RDONLY, direct=True)
+    except OSError:   # no /proc (or it refuses): by name, and only if it is still the same file
+        direct_fd, is_direct = open_file(path, os.O_RDONLY, direct=True)
     same = os.path.samestat(os.fstat(direct_fd), os.fstat(fd))
     if is_direct and same:
         return direct_fd

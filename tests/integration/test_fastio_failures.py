@@ -201,6 +201,29 @@ def test_a_file_unlinked_or_replaced_while_a_reader_opens_it_is_read_whole(tmp_p
         assert out.tobytes() == data.tobytes()
 
 
+def test_without_proc_a_file_replaced_while_a_reader_opens_it_is_refused(tmp_path, rng, backend, monkeypatch):
+    import fastio.reader
+
+    path, other = tmp_path / "ckpt.bin", tmp_path / "other.bin"
+    data = random_bytes(rng, 2 * 4096)
+    path.write_bytes(data.tobytes())
+    other.write_bytes(bytes(2 * 4096))
+    real_open = fastio.reader.open_file
+
+    def open_file(name, flags, direct, *args):   # a system without /proc: the reader reopens by name
+        if name.startswith("/proc/"):
+            raise OSError(errno.ENOENT, "no /proc here", name)
+        return real_open(name, flags, direct, *args)
+    monkeypatch.setattr(fastio.reader, "open_file", open_file)
+    with fastio.Reader(path, engine=backend) as reader:   # unchanged: opens, reads
+        assert reader.read(0, data.nbytes) == data.tobytes()
+    _after_the_first_open(monkeypatch, lambda: os.replace(other, path))
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError, match="replaced while it was opened"):
+        fastio.Reader(path, engine=backend)
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
 def test_a_reader_whose_open_fails_halfway_leaves_no_descriptor_open(tmp_path, backend, monkeypatch):
     path = tmp_path / "ckpt.bin"
     path.write_bytes(bytes(8192))
