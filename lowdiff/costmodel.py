@@ -52,6 +52,19 @@ class Costs:
         """Write time of a batch of ``batch_steps`` records: fixed cost + bytes at the bandwidth."""
         return self.batch_fixed_s + batch_steps * self.diff_bytes_per_step / self.write_bytes_per_s
 
+    def diff_share(self, batch_steps: int | None) -> float:
+        """The share of the device the batch writes keep busy (0 without differentials)."""
+        if batch_steps is None:
+            return 0.0
+        write_s = self.batch_write_s(batch_steps)
+        base_s = max(self.step_s + self.record_s, write_s / batch_steps)
+        return write_s / (batch_steps * base_s)
+
+    def shared_persist_s(self, batch_steps: int | None) -> float:
+        """How long a full checkpoint takes to persist beside batch writes of ``batch_steps``
+        records: one device, so it gets the share they leave (``persist_s`` is its time alone)."""
+        return self.persist_s / max(1.0 - self.diff_share(batch_steps), 0.01)
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -109,14 +122,15 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
         # A writer that cannot keep up paces training (step() blocks on pending batches).
         base_s = max(base_s, costs.batch_write_s(batch_steps) / batch_steps)
     step_s = base_s + costs.stall_s / full_every                     # a step, fulls amortised
+    persist_s = costs.shared_persist_s(batch_steps)                  # slowed by the batch writes
     if batch_steps is not None:
         write_s = costs.batch_write_s(batch_steps)
         lost_steps = batch_steps / 2 + write_s / step_s
-        replay_steps = max(0.0, full_every / 2 + costs.persist_s / step_s - lost_steps)
-        worst_recovery_s = costs.load_s + costs.replay_s * (full_every + costs.persist_s / base_s)
+        replay_steps = max(0.0, full_every / 2 + persist_s / step_s - lost_steps)
+        worst_recovery_s = costs.load_s + costs.replay_s * (full_every + persist_s / base_s)
     else:
         write_s = 0.0
-        lost_steps = full_every / 2 + costs.persist_s / step_s
+        lost_steps = full_every / 2 + persist_s / step_s
         replay_steps = 0.0
         worst_recovery_s = costs.load_s
     per_failure_s = (costs.restart_s + costs.load_s + costs.replay_s * replay_steps + step_s * lost_steps
@@ -125,7 +139,7 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
     waste = 1.0 - (costs.step_s / step_s) * (1.0 - lost_share)
     overhead = 1.0 - costs.step_s / step_s
     violated = []
-    if costs.persist_s > full_every * base_s:
+    if persist_s > full_every * base_s:
         violated.append("persist")
     utilisation = costs.persist_s / (full_every * base_s)
     if batch_steps is not None:
@@ -150,11 +164,12 @@ def _full_every_bounds(costs: Costs, limits: Limits, batch_steps: int | None,
     room = limits.max_utilisation - diff_share
     if room <= 0:
         return 1, 0
-    lo = max(1, math.ceil(costs.persist_s / base_s - 1e-9), math.ceil(costs.persist_s / (base_s * room) - 1e-9))
+    persist_s = costs.shared_persist_s(batch_steps)
+    lo = max(1, math.ceil(persist_s / base_s - 1e-9), math.ceil(costs.persist_s / (base_s * room) - 1e-9))
     hi = limits.max_full_every
     if recovery_bound and diffs and limits.max_recovery_s is not None:
         if costs.replay_s > 0:
-            hi = min(hi, math.floor((limits.max_recovery_s - costs.load_s) / costs.replay_s - costs.persist_s / base_s))
+            hi = min(hi, math.floor((limits.max_recovery_s - costs.load_s) / costs.replay_s - persist_s / base_s))
         elif costs.load_s > limits.max_recovery_s:
             hi = 0
     return lo, hi
@@ -222,9 +237,11 @@ def _memory_batch_cap(costs: Costs, limits: Limits) -> int:
 def _search(costs: Costs, limits: Limits, differentials: bool, recovery_bound: bool,
             fixed_full_every: int | None, fixed_batch_steps: int | None) -> Evaluation | None:
     """Every B from 1 up, each with its best F. When replaying a step is cheaper than redoing it
-    (the case differentials exist for), the waste grows with B at a fixed F, so a larger B only
-    helps by lowering F's lower bound: once that bound no longer binds, stop. (Otherwise a lost
-    step costs less than a replayed one and every B is tried.)"""
+    (the case differentials exist for), a larger B loses more steps per failure; it helps only by
+    lowering F's lower bound and by leaving full persists more of the device (a shorter persist,
+    less to replay; that gain shrinks as B grows): once the bound no longer binds, stop at the
+    first B that wastes more than the one before. (Otherwise a lost step costs less than a
+    replayed one and every B is tried.)"""
     def best_for(batch_steps: int | None) -> Evaluation | None:
         lo, hi = _full_every_bounds(costs, limits, batch_steps, recovery_bound)
         if fixed_full_every is not None:
@@ -236,15 +253,17 @@ def _search(costs: Costs, limits: Limits, differentials: bool, recovery_bound: b
     if fixed_batch_steps is not None:
         return best_for(fixed_batch_steps)
     best: Evaluation | None = None
+    previous: Evaluation | None = None
     for batch_steps in range(1, min(limits.max_batch_steps, _memory_batch_cap(costs, limits)) + 1):
         found = best_for(batch_steps)
         if found is None:
             continue
         if best is None or found.waste < best.waste:
             best = found
-        if costs.replay_s <= costs.step_s and \
+        if costs.replay_s <= costs.step_s and previous is not None and found.waste >= previous.waste and \
                 found.full_every > _full_every_bounds(costs, limits, batch_steps, recovery_bound)[0]:
             break
+        previous = found
     return best
 
 

@@ -62,7 +62,20 @@ def test_batch_write_fixed_cost_binds_batch_size_through_bandwidth():
     c, limits = costs(batch_fixed_s=0.25), Limits(failure_rate_per_s=PER_HOUR)
     best = solve(c, limits)
     assert best.batch_steps > 2 and best.feasible
-    assert "bandwidth" in evaluate(c, limits, best.full_every, best.batch_steps - 1).violated
+    assert "bandwidth" in evaluate(c, limits, best.full_every, 2).violated
+
+
+def test_full_persists_get_the_device_the_batch_writes_leave():
+    """One device: beside batch writes that keep it 83% busy (B=3 of the test above) a 0.5 s
+    persist takes 3 s, so more steps are replayed after a failure; B=4 leaves it 37% more and
+    wastes less, though B=3 meets every bound. The solver finds what brute force finds."""
+    c, limits = costs(batch_fixed_s=0.25), Limits(failure_rate_per_s=PER_HOUR)
+    share = c.batch_write_s(3) / (3 * c.step_s)
+    assert c.shared_persist_s(3) == pytest.approx(0.5 / (1 - share)) and c.shared_persist_s(None) == 0.5
+    best = solve(c, limits)
+    assert best.batch_steps >= 4 and evaluate(c, limits, best.full_every, 3).feasible
+    assert best.waste < solve(c, limits, batch_steps=3).waste
+    assert best.waste == pytest.approx(brute_force(c, limits).waste, rel=1e-9)
 
 
 def test_memory_budget_caps_batch_size():
