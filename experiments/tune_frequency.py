@@ -493,6 +493,11 @@ def real_summary(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _median_or_dash(values: list[float]) -> str:
+    known = [v for v in values if not math.isnan(v)]
+    return f"{float(np.median(known)):.3f}" if known else "-"
+
+
 def print_real(rows: list[dict], args) -> None:
     summary = real_summary(rows)
     best_name = max((s for s in summary if not s.startswith("auto")), key=lambda s: summary[s]["mean"])
@@ -508,7 +513,7 @@ def print_real(rows: list[dict], args) -> None:
         ratios = s["ratios"]
         print(f"{settings:<12}{mine[-1]['last_in_force']:>10}{np.mean([m['durable_steps'] for m in mine]):>12.0f}"
               f"{np.mean([m['kills'] for m in mine]):>7.0f}{np.nanmedian([m['restart_s'] for m in mine]):>10.2f}"
-              f"{np.nanmedian([m['record_ratio'] for m in mine]):>10.3f}{s['mean']:>11.3f}"
+              f"{_median_or_dash([m['record_ratio'] for m in mine]):>10}{s['mean']:>11.3f}"
               f"{min(s['goodput']):>7.3f}..{max(s['goodput']):<6.3f}{s['mean'] / best_mean:>15.3f}"
               f"{min(ratios):>9.3f}..{max(ratios):<7.3f}")
     print(f"(best fixed by mean goodput: {best_name}; per-round ratio: goodput / that round's best fixed)")
