@@ -6,15 +6,18 @@ states (lowdiff.costmodel; derivation in docs/controller.md). With fixed setting
 reports, and changes nothing.
 
 Measurements outlive the process: they are written to CONTROLLER.json beside the manifest after
-each full checkpoint (lowdiff.controlstate) and read back when a session opens the directory, and
+each full checkpoint, after each applied decision and after each probe (at the next batch write)
+(lowdiff.controlstate) and read back when a session opens the directory, and
 ``recovery.resume`` reports what a restart really cost (``resumed``): load, replay per record and
 the restart itself (process start to the end of resume, minus load and replay).
 
 Measurements are medians of recent samples (robust to the odd slow write or GC pause). Decisions
 are re-solved after every full checkpoint persists and every ``RESOLVE_EVERY_BATCHES`` batches, and
 applied only when the new optimum is predicted to waste clearly less than the settings in force
-(hysteresis), or when those settings break a constraint. Each applied decision is logged (logger
-"lowdiff", INFO) with its inputs and kept in ``history``.
+(hysteresis), or when those settings break a constraint. Until a few full checkpoints' costs are
+measured (the learning phase), each decision moves a setting by at most a factor 2 and waits for a
+new one; "auto" keeps differentials until a few probes are in. Each applied decision is logged
+(logger "lowdiff", INFO) with its inputs and kept in ``history``.
 
 Thread safety: the training thread, the diff-writer thread and the full-writer thread all report
 to one Controller; one lock guards every method. ``full_every`` and ``batch_steps`` are read as
@@ -40,8 +43,11 @@ from .records import decode_record
 
 log = logging.getLogger("lowdiff")
 
-AUTO_INITIAL_FULL_EVERY = 50
-AUTO_INITIAL_BATCH_STEPS = 8
+# The guess in force before anything is measured (docs/controller.md, "Learning phase"): the
+# shortest interval the probe can run in, and one record per write — every cost is measured within
+# the first steps, the least memory is held and the least work is lost while the guess is in force.
+AUTO_INITIAL_FULL_EVERY = 16
+AUTO_INITIAL_BATCH_STEPS = 1
 MAX_BATCH_STEPS = 256
 MAX_FULL_EVERY = 100_000
 SAMPLES_KEPT = 1000
@@ -57,6 +63,14 @@ PROBE_MIN_FULL_EVERY = 4 * PROBE_STEPS   # shorter intervals are not probed
 PROBE_EVERY_FULLS = 8         # full checkpoints between two probes, once PROBE_WARMUP probes are in
 PROBE_WARMUP = 3
 DECIDE_WITHOUT_PROBE_FULLS = 3   # "auto" waits for its first probe this many full checkpoints at most
+# The learning phase: until the cost of LEARNING_FULL_COSTS full checkpoints has been measured
+# (full_cost_s, kept in CONTROLLER.json), a decision moves full_every and batch_steps by at most a
+# factor LEARNING_FACTOR, and only after a new such sample (one decision per measured full
+# checkpoint), unless the settings in force break a constraint that only a larger move meets.
+# "auto" keeps differentials on until PROBE_WARMUP probes are in (and full_every >= the probe's
+# minimum meanwhile, so that they can run): one probe is no ground to give up per-step durability.
+LEARNING_FULL_COSTS = 4
+LEARNING_FACTOR = 2
 
 
 # What is measured (each a window of samples). Step intervals are kept apart by whether the step
@@ -173,6 +187,9 @@ class Controller:
         self._steps_seen = 0
         self._records_seen = 0
         self._batches_since_solve = 0
+        self._full_costs_decided = -1            # full_cost_s samples behind the last decision
+        self._unsaved = False                    # a decision or probe since CONTROLLER.json was written
+        self._save_lock = threading.Lock()       # one writer of CONTROLLER.json at a time
         # Raw samples of the recent past, for stats().
         self.samples = {name: collections.deque(maxlen=SAMPLES_KEPT)
                         for name in ("full_stall_s", "full_persist_s", "batch_write_s")}
@@ -240,14 +257,17 @@ class Controller:
         commit). Advice only: a failure is logged, never raised into the checkpoint writer."""
         if self._state_dir is None:
             return
-        with self._lock:
-            samples = {name: list(window.samples) for name, window in self._windows.items() if window.samples}
-            settings = {"full_every": self.full_every, "batch_steps": self.batch_steps,
-                        "differentials": self.differentials_wanted}
-        try:
-            write_state(self._state_dir, samples, settings)
-        except OSError as exc:
-            log.warning("lowdiff controller: could not write %s in %s: %s", CONTROLLER_NAME, self._state_dir, exc)
+        with self._save_lock:   # (the newest snapshot is written last)
+            with self._lock:
+                samples = {name: list(window.samples) for name, window in self._windows.items() if window.samples}
+                settings = {"full_every": self.full_every, "batch_steps": self.batch_steps,
+                            "differentials": self.differentials_wanted}
+                self._unsaved = False
+            try:
+                write_state(self._state_dir, samples, settings)
+            except OSError as exc:
+                log.warning("lowdiff controller: could not write %s in %s: %s", CONTROLLER_NAME, self._state_dir,
+                            exc)
 
     # measurements -----------------------------------------------------------
     def resumed(self, load_s: float, replay_s: float, replayed: int) -> None:
@@ -357,6 +377,7 @@ class Controller:
         with_s, without_s = (probe.samples, probe.baseline) if probe.recording else (probe.baseline, probe.samples)
         self._windows["record_ratio"].add(statistics.median(with_s) / max(statistics.median(without_s), 1e-9))
         self.probes += 1
+        self._unsaved = True   # (written by the diff writer or the full writer, not on this thread)
 
     def step_recorded(self, record_s: float) -> None:
         """Training thread: what recording the step cost it (capture, compression, hand-over)."""
@@ -403,6 +424,9 @@ class Controller:
             self._batches_since_solve += 1
             if self._batches_since_solve >= RESOLVE_EVERY_BATCHES or not self.history:
                 self._resolve_locked("periodic")
+            unsaved = self._unsaved
+        if unsaved:   # a decision or a probe's sample is not lost to a SIGKILL before the next full
+            self.save_state()
 
     def maybe_time_decode(self, encoded: list) -> None:
         """Diff-writer thread, with a record just encoded: now and then, time decoding it — the
@@ -553,14 +577,33 @@ class Controller:
                 not self._windows["record_ratio"].samples and self.full_every >= PROBE_MIN_FULL_EVERY and \
                 self._fulls_seen < DECIDE_WITHOUT_PROBE_FULLS:
             return   # the first probe is a few steps away: until it, recording looks cheaper than it is
-        # Differentials are judged only once measured; without consent ("auto") they stay as set.
-        choice: bool | str = "auto" if self.auto_differentials and measured else self.differentials_wanted
+        full_costs = len(self._windows["full_cost_s"].samples)
+        learning = full_costs < LEARNING_FULL_COSTS
+        if learning and self.history and full_costs <= self._full_costs_decided and not self.current.violated:
+            return   # learning: one decision per measured full checkpoint
+        # Differentials are judged only once measured; without consent ("auto") they stay as set,
+        # and with it they stay on until the probe has sampled what they cost a few times.
+        probing = self.auto_differentials and self.differentials_wanted and \
+            len(self._windows["record_ratio"].samples) < PROBE_WARMUP and \
+            (self.auto_full or self.full_every >= PROBE_MIN_FULL_EVERY) and \
+            self._fulls_seen < PROBE_WARMUP + DECIDE_WITHOUT_PROBE_FULLS
+        choice: bool | str = "auto" if self.auto_differentials and measured and not probing \
+            else self.differentials_wanted
         best = solve(costs, self.limits, differentials=choice, full_every=None if self.auto_full else self.full_every,
                      batch_steps=None if self.auto_batch else self.batch_steps)
+        optimum = best
+        if learning or probing:
+            best = self._limited_locked(costs, best, learning, probing)
         decide = choose(self.current, best, first=not self.history)
         if decide is None:
             return
         reason = f"{why}: {decide}"
+        if best is not optimum:
+            probes = len(self._windows["record_ratio"].samples)
+            reason += (f" (learning, {full_costs} full checkpoint(s) measured, {probes} probe(s): limited from "
+                       f"the optimum {optimum.full_every}/{optimum.batch_steps or 'off'})")
+        self._full_costs_decided = full_costs
+        self._unsaved = True
         self.history.append(Decision(self._steps_seen, time.perf_counter() - self._started, best.full_every,
                                      best.batch_steps, best.waste, self.current.waste, reason,
                                      dataclasses.asdict(costs)))
@@ -574,6 +617,27 @@ class Controller:
         if best.batch_steps is not None:
             self.batch_steps = best.batch_steps   # kept while off: the size to use if they return
         self.current = best
+
+    def _limited_locked(self, costs: Costs, best: Evaluation, learning: bool, probing: bool) -> Evaluation:
+        """``best`` moved no further from the settings in force than the learning phase allows:
+        learning, full_every and batch_steps within a factor LEARNING_FACTOR of those in force;
+        probing, full_every at least the probe's minimum. A move the limit would leave breaking a
+        constraint that ``best`` meets is not limited: constraints rest on sizes and write times,
+        not on the few samples of a full checkpoint's cost."""
+        full_every, batch_steps = best.full_every, best.batch_steps
+        if self.auto_full:
+            if learning:
+                full_every = min(max(full_every, -(-self.full_every // LEARNING_FACTOR)),
+                                 self.full_every * LEARNING_FACTOR)
+            if probing:
+                full_every = max(full_every, PROBE_MIN_FULL_EVERY)
+        if learning and self.auto_batch and batch_steps is not None and self.differentials_wanted:
+            batch_steps = min(max(batch_steps, -(-self.batch_steps // LEARNING_FACTOR)),
+                              self.batch_steps * LEARNING_FACTOR)
+        if (full_every, batch_steps) == (best.full_every, best.batch_steps):
+            return best
+        limited = evaluate(costs, self.limits, full_every, batch_steps)
+        return best if len(limited.violated) > len(best.violated) else limited
 
     # reports ----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

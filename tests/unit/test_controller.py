@@ -7,14 +7,34 @@ import logging
 import pytest
 
 from lowdiff.config import WrapConfig
-from lowdiff.controller import RESOLVE_EVERY_BATCHES, Controller, choose, process_age_s
+from lowdiff.controller import (
+    AUTO_INITIAL_BATCH_STEPS,
+    AUTO_INITIAL_FULL_EVERY,
+    LEARNING_FACTOR,
+    LEARNING_FULL_COSTS,
+    PROBE_MIN_FULL_EVERY,
+    PROBE_WARMUP,
+    RESOLVE_EVERY_BATCHES,
+    Controller,
+    choose,
+    process_age_s,
+)
 from lowdiff.costmodel import Evaluation, Limits, solve
 
 
 def feed(controller, *, step_s=0.1, optimizer_s=0.01, record_s=0.0, stall_s=0.05, persist_s=0.5,
-         full_bytes=500_000_000, batch_write_s=0.01, batch_bytes=1_000_000, batch_steps=None, batches=1):
-    """Samples as the three threads report them (medians of identical samples are the samples)."""
+         full_bytes=500_000_000, batch_write_s=0.01, batch_bytes=1_000_000, batch_steps=None, batches=1,
+         learned=True):
+    """Samples as the three threads report them (medians of identical samples are the samples).
+    ``learned``: past the learning phase (the cost of enough full checkpoints measured, as much as
+    their stall; with differentials="auto", enough probes)."""
     w = controller._windows
+    if learned and (controller.auto_full or controller.auto_batch):
+        while len(w["full_cost_s"].samples) < LEARNING_FULL_COSTS:
+            w["full_cost_s"].add(stall_s)
+        if controller.auto_differentials:
+            while len(w["record_ratio"].samples) < PROBE_WARMUP:
+                w["record_ratio"].add(w["record_ratio"].value or 1.0)
     w["step_s"].add(step_s + record_s)   # the interval between step ends holds the recording
     w["optimizer_step_s"].add(optimizer_s)
     w["record_s"].add(record_s)
@@ -77,7 +97,8 @@ def test_decisions_are_logged_with_their_inputs(caplog):
     with caplog.at_level(logging.INFO, logger="lowdiff"):
         feed(controller)
     (message,) = [r.getMessage() for r in caplog.records if "controller" in r.getMessage()]
-    assert "full_every 50 ->" in message and "stall_s=0.05" in message and "first decision" in message
+    assert f"full_every {AUTO_INITIAL_FULL_EVERY} ->" in message and "stall_s=0.05" in message
+    assert "first decision" in message
 
 
 def _evaluation(full_every, waste, violated=()):
@@ -178,7 +199,8 @@ def test_measurements_and_settings_outlive_the_process(tmp_path):
     first.full_persisted(3.0, 500_000_000)          # writes CONTROLLER.json
     second = Controller(WrapConfig(full_every="auto", batch_steps="auto", failure_rate_per_hour=1.0))
     second.load_state(str(tmp_path))
-    assert (second.full_every, second.batch_steps) == (first.full_every, first.batch_steps) != (50, 8)
+    assert (second.full_every, second.batch_steps) == (first.full_every, first.batch_steps) != \
+        (AUTO_INITIAL_FULL_EVERY, AUTO_INITIAL_BATCH_STEPS)
     assert second.costs() == first.costs()
     assert second.history[0].reason.startswith("settings and measurements of earlier sessions")
     fixed = Controller(WrapConfig(full_every=7, batch_steps=3))
@@ -193,7 +215,8 @@ def test_an_unusable_measurements_file_is_named_and_replaced(tmp_path, content):
     controller = Controller(WrapConfig(full_every="auto", batch_steps="auto"))
     with pytest.warns(RuntimeWarning, match="CONTROLLER.json"):
         controller.load_state(str(tmp_path))
-    assert (controller.full_every, controller.batch_steps) == (50, 8) and controller.costs() is None
+    assert (controller.full_every, controller.batch_steps) == (AUTO_INITIAL_FULL_EVERY, AUTO_INITIAL_BATCH_STEPS)
+    assert controller.costs() is None
     feed(controller)                                 # the next full checkpoint replaces it
     assert json.loads((tmp_path / "CONTROLLER.json").read_text())["version"] == 1
 
@@ -201,7 +224,8 @@ def test_an_unusable_measurements_file_is_named_and_replaced(tmp_path, content):
 def expensive_recording(controller, **changes):
     """Recording costs 30% of a step (as a probe measured it); a full checkpoint stalls 2 ms:
     full-only wins by far."""
-    controller._windows["record_ratio"].add(1.3)
+    for _ in range(PROBE_WARMUP):
+        controller._windows["record_ratio"].add(1.3)
     feed(controller, **{"step_s": 0.1, "record_s": 0.03, "stall_s": 0.002, "persist_s": 0.05, **changes})
 
 
@@ -311,16 +335,27 @@ def test_the_probe_times_steps_without_differentials_before_full_checkpoints_due
 
 def test_the_first_auto_decision_waits_for_the_first_probe(monkeypatch):
     """Recording costs 30% of a step, but the training thread sees only 5 ms of it: deciding
-    before the probe would keep differentials; after it, full checkpoints only win."""
+    before the probe would keep differentials for the wrong reason. After the first probe the
+    first decision is taken, still with differentials (one probe is no ground to give up per-step
+    durability) and an interval long enough for the next probes; once PROBE_WARMUP probes agree,
+    full checkpoints only win."""
     controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", differentials="auto",
                                        failure_rate_per_hour=1.0))
     session = FakeSession(controller, monkeypatch)
     session.run(6)
     assert controller.history == [] and controller.probes == 0
-    session.run(30)
-    (decision,) = controller.history
-    assert controller.probes == 1 and decision.batch_steps is None and not controller.differentials_wanted
-    assert decision.costs["record_s"] == pytest.approx(0.03)
+    while controller.probes < 1:
+        session.run(1)
+    session.run(2)
+    (first,) = controller.history
+    assert first.batch_steps is not None and controller.differentials_wanted
+    assert first.full_every >= PROBE_MIN_FULL_EVERY and first.costs["record_s"] == pytest.approx(0.03)
+    while controller.probes < PROBE_WARMUP:
+        assert controller.differentials_wanted
+        session.run(1)
+    session.run(3 * PROBE_MIN_FULL_EVERY)
+    off = [d for d in controller.history if d.batch_steps is None]
+    assert off and not controller.differentials_wanted and off[0].steps_seen > first.steps_seen
 
 
 def test_with_differentials_off_the_probe_records_a_few_steps_after_a_due_full(monkeypatch):
@@ -377,3 +412,64 @@ def test_replay_per_record_is_fitted_apart_from_a_resumes_fixed_cost():
     controller.resumed(load_s=0.3, replay_s=1.4, replayed=20)
     c = controller.costs()
     assert c.replay_s == pytest.approx(0.05) and c.load_s == pytest.approx(0.3 + 0.4)
+
+
+def test_the_initial_guess_measures_everything_soon_and_fits_any_memory_budget():
+    """Before anything is measured: one record per write (the least memory held and work lost; a
+    batch write timed after the first recorded step) and the shortest interval the probe can run
+    in (a full checkpoint's cost measured within the first interval)."""
+    controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", differentials="auto"))
+    assert controller.batch_steps == 1 and controller.full_every == PROBE_MIN_FULL_EVERY
+    assert controller.limits.max_pending_batches * controller.batch_steps * 100e6 < controller.limits.batch_memory_bytes
+
+
+def test_learning_moves_each_setting_at_most_a_factor_per_measured_full_checkpoint():
+    """A full checkpoint measured once at 1 ms makes F=4 the optimum: until LEARNING_FULL_COSTS
+    full checkpoints are measured, each decision moves F at most a factor LEARNING_FACTOR from
+    the settings in force, and only after a new measured full checkpoint; then it moves freely."""
+    controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", failure_rate_per_hour=360.0))
+    cheap = dict(stall_s=0.001, persist_s=0.01, full_bytes=10_000_000, learned=False)
+    feed(controller, **cheap)
+    optimum = solve(controller.costs(), controller.limits)
+    assert optimum.full_every <= AUTO_INITIAL_FULL_EVERY // LEARNING_FACTOR**2
+    (first,) = controller.history
+    assert first.full_every == AUTO_INITIAL_FULL_EVERY // LEARNING_FACTOR and "learning" in first.reason
+    assert first.batch_steps <= AUTO_INITIAL_BATCH_STEPS * LEARNING_FACTOR
+    for _ in range(2 * RESOLVE_EVERY_BATCHES):                      # no new full checkpoint measured: kept
+        controller.batch_written(1, 0.01, 1_000_000)
+    assert len(controller.history) == 1
+    settings = [controller.full_every]
+    while len(controller._windows["full_cost_s"].samples) < LEARNING_FULL_COSTS:
+        feed(controller, **cheap)                                    # (charges the full checkpoint before)
+        settings.append(controller.full_every)
+    assert settings[1] == AUTO_INITIAL_FULL_EVERY // LEARNING_FACTOR**2
+    assert all(a <= b * LEARNING_FACTOR for a, b in zip(settings, settings[1:]))
+    assert controller.full_every == solve(controller.costs(), controller.limits).full_every
+
+
+def test_learning_does_not_hold_settings_that_break_a_constraint():
+    """A persist of 10 s at 0.1 s per step needs F >= 100 (the pipeline constraint, from a write
+    time, not from a full checkpoint's cost): the first decision goes there at once."""
+    controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", failure_rate_per_hour=1.0))
+    feed(controller, persist_s=10.0, learned=False)
+    assert controller.full_every >= 100 and not controller.current.violated
+
+
+def test_a_decision_is_kept_in_the_measurements_file_at_once(tmp_path):
+    """A decision taken at a batch write is in CONTROLLER.json right away: a SIGKILL before the
+    next full checkpoint does not make the restarted session learn it again."""
+    controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", failure_rate_per_hour=1.0))
+    controller.load_state(str(tmp_path))
+    for name in ("step_s", "optimizer_step_s", "record_s"):
+        controller._windows[name].add(0.1 if name == "step_s" else 0.0)
+    for _ in range(LEARNING_FULL_COSTS):
+        controller._windows["full_cost_s"].add(0.05)
+    controller.full_taken(0.05)
+    controller.full_persisted(0.5, 500_000_000)      # no decision yet: batch writes not measured
+    assert controller.history == []
+    controller.batch_written(1, 0.01, 1_000_000)
+    (decision,) = controller.history
+    kept = json.loads((tmp_path / "CONTROLLER.json").read_text())["settings"]
+    assert (kept["full_every"], kept["batch_steps"]) == (decision.full_every, decision.batch_steps) != \
+        (AUTO_INITIAL_FULL_EVERY, AUTO_INITIAL_BATCH_STEPS)
+    assert kept == {"full_every": controller.full_every, "batch_steps": controller.batch_steps, "differentials": True}
