@@ -309,9 +309,10 @@ def measured(fn, cache: bool) -> tuple[float, float, int]:
         drop_caches()
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
-    fn()
+    result = fn()
     elapsed = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
+    del result   # freeing gigabytes (munmap) is not part of a load: it was timed before
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     return elapsed, cpu, after.ru_minflt - before.ru_minflt
 
@@ -320,22 +321,30 @@ def full_load_cases(path: str, model_name: str) -> dict:
     """What is timed, each with the page cache dropped: the same file's bytes read by one fastio
     O_DIRECT request (the engine's chunking and queue depth, as load_full uses) into memory that
     is already faulted in (the device's speed) and into new memory (what any loader that creates
-    the state pays for first-touch page faults); load_full; load_full into a live model + AdamW."""
+    the state pays for first-touch page faults); new memory populated alone (MAP_POPULATE: the
+    machine's rate of making pages, the bound of any load into new memory); load_full; load_full
+    into a live model + AdamW. Each returns what it made, freed after the clock stops."""
     size = os.path.getsize(path) // 4096 * 4096
     prefaulted = fastio.aligned_buffer(size, populate=True)
 
     def read_into(buffer):
         with fastio.Reader(path) as reader:
             reader.read_into(0, buffer.view(0, size))
+        return buffer
 
     model = build_model(model_name, seed=1)
 
     def into_live():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # fresh: its state comes from the file
-        _, state = load_full(path)
+        # As resume does: the model's tensors are read straight into it, the optimizer's state
+        # (new in a fresh process) into new memory the optimizer adopts.
+        live = {f"/model/{k}": v for k, v in model.state_dict(keep_vars=True).items()}
+        _, state = load_full(path, into=live)
         model.load_state_dict(state.model)
         opt.load_state_dict(state.optimizer)
+        return opt
     return {"device read, prefaulted memory": lambda: read_into(prefaulted),
+            "populate new memory alone": lambda: fastio.aligned_buffer(size, populate=True),
             "device read, fresh memory": lambda: read_into(fastio.aligned_buffer(size)),
             "lowdiff load_full (read + verify)": lambda: load_full(path),
             "lowdiff into live model + AdamW": into_live}
@@ -363,9 +372,12 @@ def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float,
     rows.append({"method": "DCP load into live state_dict", "seconds": round(dcp_s, 3), "bytes": dcp_bytes,
                  "of device bw": f"{dcp_of_device:.2f}"})
     by_name = {row["method"]: row for row in rows}
-    ours, live, fresh = (float(by_name[n]["seconds"]) for n in ("lowdiff load_full (read + verify)",
-                                                                "lowdiff into live model + AdamW",
-                                                                "device read, fresh memory"))
+    ours, live, fresh, populate = (float(by_name[n]["seconds"]) for n in (
+        "lowdiff load_full (read + verify)", "lowdiff into live model + AdamW", "device read, fresh memory",
+        "populate new memory alone"))
+    # A load that creates the state needs its memory: no loader into new memory beats the slower of
+    # reading the bytes and populating the pages, whichever this machine makes the bottleneck.
+    new_memory_bound = max(device_s, populate)
     print(f"\nfull-checkpoint load, {size / 2**20:.0f} MiB, median of {repeats} interleaved rounds, "
           f"{'page cache dropped before each' if cache else 'page cache NOT dropped'}; load average {load_average()}")
     table(rows, ["method", "seconds", "bytes", "of device bw", "cpu_s", "page_faults"])
@@ -373,6 +385,9 @@ def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float,
           f"{bandwidth / 2**30:.2f} GiB/s); lowdiff load_full at {device_s / ours:.2f} of the device's read bandwidth "
           f"(target >= 0.9), {fresh / ours:.2f} of a bare read into fresh memory; lowdiff into live / DCP time = "
           f"{live / dcp_s:.2f}")
+    print(f"new memory populates at {size / populate / 2**30:.2f} GiB/s here: a load into new memory takes at least "
+          f"{new_memory_bound:.3f} s ({'populating' if populate > device_s else 'reading'} is the bottleneck); "
+          f"load_full at {new_memory_bound / ours:.2f} of that bound")
     return rows
 
 

@@ -2,10 +2,10 @@
 from ._config import ALIGN_BYTES, FastioConfig
 from ._engine import BULK, URGENT
 from ._memops import copy_regions, crc32c
-from ._memory import AlignedBuffer, aligned_buffer
+from ._memory import AlignedBuffer, aligned_buffer, buffer_address
 from ._select import backend, engine, make_engine
 from .reader import Reader
 from .writer import Writer
 
 __all__ = ["ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
-           "aligned_buffer", "backend", "copy_regions", "crc32c", "engine", "make_engine"]
+           "aligned_buffer", "backend", "buffer_address", "copy_regions", "crc32c", "engine", "make_engine"]

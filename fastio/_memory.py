@@ -87,6 +87,19 @@ class AlignedBuffer:
     def capacity_bytes(self) -> int:
         return len(self._map)
 
+    def populate(self, start: int = 0, stop: int | None = None) -> bool:
+        """Fault in the pages of bytes ``start:stop`` (``start`` page-aligned) with one system call,
+        without holding the GIL, so a helper thread can prepare memory ahead of I/O into it.
+        False when the kernel cannot (MADV_POPULATE_WRITE is Linux 5.14+): the pages are then
+        faulted in by whatever touches them first, as without this call."""
+        stop = self.capacity_bytes if stop is None else min(stop, self.capacity_bytes)
+        if start % ALIGN_BYTES:
+            raise ValueError(f"populate start {start} is not a multiple of {ALIGN_BYTES}")
+        if stop <= start:
+            return True
+        madvise = _libc_madvise()
+        return madvise is not None and madvise(self.address + start, stop - start, _MADV_POPULATE_WRITE) == 0
+
     def view(self, start: int = 0, stop: int | None = None) -> memoryview:
         return self._view[start:self.nbytes if stop is None else stop]
 
@@ -103,6 +116,23 @@ class AlignedBuffer:
         if not count:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self._view, dtype=torch.uint8, count=count)
+
+
+_MADV_POPULATE_WRITE = 23   # linux/mman.h; Python's mmap module names it only from 3.13 on
+_madvise: list = []
+
+
+def _libc_madvise():
+    """libc's madvise through ctypes (which releases the GIL during the call), or None."""
+    if not _madvise:
+        try:
+            function = ctypes.CDLL(None, use_errno=True).madvise
+            function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            function.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            function = None
+        _madvise.append(function)
+    return _madvise[0]
 
 
 def aligned_buffer(nbytes: int, populate: bool = False) -> AlignedBuffer:

@@ -17,6 +17,7 @@ import fastio
 from . import container, faults, tree
 from .errors import CorruptCheckpointError
 from .format import PAGE, PAYLOAD_OFFSET, SMALL_TENSOR_ALIGN, Checksummed, FullIndex, FullState, Section, TensorEntry
+from .payloadread import read_payload
 from .records import dtype_from_name, dtype_name
 
 
@@ -205,7 +206,6 @@ def write_full_file(path: str, kind: int, payload, objects: bytes, make_index, *
 
 
 _ZERO_COPY = ("/model/", "/optimizer/")   # subtrees whose large tensors are handed out as views
-LOAD_CHUNK_BYTES = 32 << 20   # a read of this size per queue slot: deep enough, and verify starts early
 
 
 def _checksum_matches(entry: Checksummed, data) -> bool:
@@ -221,16 +221,20 @@ def read_full_index(path: str, *, engine=None) -> FullIndex:
                                    reader.size)
 
 
-def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[FullIndex, FullState]:
-    """Read a full checkpoint: (index, state). The payload is read with O_DIRECT into one aligned
-    buffer in chunks queued together; each tensor's checksum is verified as soon as its bytes have
+def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None) -> tuple[FullIndex, FullState]:
+    """Read a full checkpoint: (index, state). The payload is read with O_DIRECT in chunks queued
+    together (``payloadread``); each tensor's checksum is verified as soon as its bytes have
     arrived, while later chunks are still being read, so verifying costs no time of its own.
-    Large tensors are views of the buffer (no copy): the optimizer adopts them as its state, and
-    ``load_state_dict`` copies parameters once into the live model."""
+
+    ``into`` maps tensor keys (``"/model/<name>"``) to live tensors of the same dtype and shape:
+    their bytes are copied straight into them, and the state holds those very tensors (so
+    ``load_state_dict`` finds them in place). If the load raises, those tensors hold part of the
+    checkpoint. The other large tensors are views of the read buffer (no copy): the optimizer
+    adopts them as its state."""
     with fastio.Reader(path, engine=engine) as reader:
         index = FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
                                     reader.size)
-        buffer = _read_payload(path, reader, index, verify)
+        buffer, placed = read_payload(path, reader, index, verify, into or {})
         objects = reader.read(index.objects.offset, index.objects.nbytes)
     if not _checksum_matches(index.objects, objects):
         raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its checksum")
@@ -239,7 +243,9 @@ def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[FullIndex
     for entry in index.tensors:
         start = entry.offset - PAYLOAD_OFFSET
         dtype = dtype_from_name(entry.dtype, path)
-        if entry.nbytes == 0:
+        if entry.key in placed:
+            tensors[entry.key] = placed[entry.key]
+        elif entry.nbytes == 0:
             tensors[entry.key] = torch.empty(entry.shape, dtype=dtype)
         else:
             view = staging[start:start + entry.nbytes].view(dtype).view(entry.shape)
@@ -254,40 +260,3 @@ def load_full(path: str, *, engine=None, verify: bool = True) -> tuple[FullIndex
             raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
         return tensors[key]
     return index, FullState.from_tree(path, tree.join_tensors(skeleton, lookup))
-
-
-def _read_payload(path: str, reader, index: FullIndex, verify: bool):
-    """The payload in aligned memory, every tensor's checksum verified (unless ``verify`` is off)."""
-    buffer = fastio.aligned_buffer(index.payload_bytes)
-    payload = buffer.view()
-    total = index.payload_bytes
-    waits = [reader.submit_read_into(PAYLOAD_OFFSET + start, payload[start:min(start + LOAD_CHUNK_BYTES, total)])
-             for start in range(0, total, LOAD_CHUNK_BYTES)]
-    entries = sorted(index.tensors, key=lambda e: e.offset + e.nbytes)
-    checked = 0
-    try:
-        for number, wait in enumerate(waits):
-            wait()
-            arrived = min((number + 1) * LOAD_CHUNK_BYTES, total)
-            while verify and checked < len(entries) and entries[checked].offset - PAYLOAD_OFFSET + \
-                    entries[checked].nbytes <= arrived:
-                entry = entries[checked]
-                start = entry.offset - PAYLOAD_OFFSET
-                if not _checksum_matches(entry, payload[start:start + entry.nbytes]):
-                    raise CorruptCheckpointError(path, f"tensor {entry.key!r} at offset {entry.offset} fails its "
-                                                       f"checksum")
-                checked += 1
-    finally:
-        _wait_quietly(waits)   # never free memory the kernel may still be writing into
-    if verify and checked < len(entries):
-        entry = entries[checked]
-        raise CorruptCheckpointError(path, f"tensor {entry.key!r} at offset {entry.offset} lies outside the payload")
-    return buffer
-
-
-def _wait_quietly(waits: list) -> None:
-    for wait in waits:
-        try:
-            wait()
-        except (OSError, EOFError):
-            pass   # the first error was raised already, or a checksum failed first

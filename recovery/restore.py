@@ -91,18 +91,20 @@ def checkpoint_directory(directory) -> str:
 
 
 def restore(directory: str, *, check_full, apply_full, params_for, optimizer_for,
-            stop_step: int | None = None, workers: int | None = None) -> Restored | None:
+            stop_step: int | None = None, workers: int | None = None, into=None) -> Restored | None:
     """Plan (``plan_recovery``), then execute: returns None for a directory with nothing in it."""
-    plan = plan_recovery(directory, check_full=check_full, stop_step=stop_step)
+    plan = plan_recovery(directory, check_full=check_full, stop_step=stop_step, into=into)
     if plan is None:
         return None
     return execute(plan, apply_full=apply_full, params_for=params_for, optimizer_for=optimizer_for, workers=workers)
 
 
-def plan_recovery(directory: str, *, check_full, stop_step: int | None = None) -> RecoveryPlan | None:
+def plan_recovery(directory: str, *, check_full, stop_step: int | None = None, into=None) -> RecoveryPlan | None:
     """The plan to rebuild the newest durable state (or the one at ``stop_step``).
 
     ``check_full(path, index, state)`` raises if the checkpoint does not fit the caller's objects.
+    ``into()`` gives the live tensors a full checkpoint is read straight into (``load_full``):
+    the caller's own model, which a plan that raises may leave holding part of a checkpoint.
     Falls back to older full checkpoints when a newer one does not verify. None for a directory
     with nothing in it; NoCheckpointError when nothing verifies or ``stop_step`` is not retained.
     """
@@ -111,7 +113,7 @@ def plan_recovery(directory: str, *, check_full, stop_step: int | None = None) -
         return None
     for _ in range(_ATTEMPTS):
         try:
-            return _plan_once(directory, check_full, stop_step)
+            return _plan_once(directory, check_full, stop_step, into)
         except _Moved:
             continue
     raise DirectoryBusyError(f"{directory}: checkpoint files kept disappearing while they were read "
@@ -138,7 +140,7 @@ def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for, worker
                     plan.full.file, plan.newest_step, plan.load_s, times)
 
 
-def _plan_once(directory, check_full, stop_step):
+def _plan_once(directory, check_full, stop_step, into):
     inventory = take_inventory(directory, skip_other_versions=stop_step is not None)
     for note in inventory.notes:
         warn(f"lowdiff: {note}")
@@ -150,7 +152,7 @@ def _plan_once(directory, check_full, stop_step):
     skipped: list = []
     for full in fulls:
         started = time.perf_counter()
-        loaded = _load_verified(directory, inventory, full, stop_step, skipped)
+        loaded = _load_verified(directory, inventory, full, stop_step, skipped, into)
         if loaded is None:
             continue
         load_s = time.perf_counter() - started
@@ -171,12 +173,12 @@ def _plan_once(directory, check_full, stop_step):
     return None
 
 
-def _load_verified(directory, inventory, full, stop_step, skipped: list):
+def _load_verified(directory, inventory, full, stop_step, skipped: list, into):
     """(index, state) of ``full`` if it verifies and is what its entry says; else None, with the
     reason appended to ``skipped`` and logged."""
     path = os.path.join(directory, full.file)
     try:
-        index, state = load_full(path)
+        index, state = load_full(path, into=into() if into is not None else None)
         check_entry(path, full, index, os.path.getsize(path), inventory.manifest.run)
         return index, state
     except FileNotFoundError:

@@ -208,6 +208,14 @@ class _Targets:
         self.model.load_state_dict({k: v for k, v in state.model.items() if k not in foreign}, strict=not foreign)
         self.inner.load_state_dict(state.optimizer)
 
+    def live_tensors(self) -> dict:
+        """The model's own parameters and buffers under the keys a full checkpoint stores them
+        (``state_dict(keep_vars=True)`` hands out the live tensors, not detached views), without
+        those another optimizer's directory restores: a full checkpoint is read straight into them."""
+        foreign = capture.trained_elsewhere(self.model, self.inner)
+        return {f"/model/{key}": value for key, value in self.model.state_dict(keep_vars=True).items()
+                if key not in foreign}
+
     def params(self, index) -> list:
         return [p for group in self.inner.param_groups for p in group["params"]]
 
@@ -243,7 +251,7 @@ def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | N
     for _ in range(3):
         restored = restore(directory, check_full=targets.check_full, apply_full=targets.apply_full,
                            params_for=targets.params, optimizer_for=lambda index: targets.inner, stop_step=stop_step,
-                           workers=workers)
+                           workers=workers, into=targets.live_tensors)
         if world == 1:
             return restored
         low, high = _agree(restored.step if restored else 0)

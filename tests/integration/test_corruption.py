@@ -18,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -25,9 +26,10 @@ import numpy as np
 import pytest
 import torch
 
+import fastio
 import lowdiff
 import recovery
-from lowdiff import cli, container
+from lowdiff import cli, container, payloadread
 from lowdiff.batchfile import BatchReader
 from lowdiff.demo import state_digest
 from lowdiff.fullckpt import load_full, read_full_index
@@ -340,6 +342,84 @@ def test_a_batch_whose_scan_fails_leaves_no_descriptor_open(ckpt, monkeypatch):
     with pytest.raises(OSError, match="injected read error"):
         BatchReader(path)
     assert set(os.listdir("/proc/self/fd")) <= before   # closed now, not by the garbage collector
+
+
+def _loader_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("lowdiff-load-")]
+
+
+def test_full_load_in_many_chunks_equals_one_chunk_and_stops_at_a_bad_tensor(ckpt, monkeypatch):
+    """load_full populates each chunk of new memory in a helper thread that then queues its read;
+    with chunks of one page (dozens of them here) the state is the same as read in one chunk, and
+    a tensor failing its checksum stops the load with the helper joined and the file closed."""
+    fulls, _ = files(ckpt)
+    path = fulls[18]
+    _, whole = load_full(path)
+    monkeypatch.setattr(payloadread, "LOAD_CHUNK_BYTES", 4096)
+    index, paged = load_full(path)
+    assert index.payload_bytes > 8 * 4096
+    for key, tensor in whole.model.items():
+        assert torch.equal(paged.model[key], tensor), key
+    assert str(paged.optimizer) == str(whole.optimizer)
+
+    entry = max(index.tensors, key=lambda e: e.offset)   # in the last chunks: the helper ran ahead
+    damage(path, "flip", entry.offset + entry.nbytes // 2)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(lowdiff.CorruptCheckpointError, match="fails its checksum") as info:
+        load_full(path)
+    assert info.value.path == path and entry.key in str(info.value)
+    assert not _loader_threads()
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_full_load_into_live_tensors(ckpt, monkeypatch):
+    """``into``: model tensors are read straight into the caller's tensors (through the ring of
+    chunks when a chunk holds only theirs: one-page chunks make most chunks so), the state holds
+    those very tensors, bytes equal to the ordinary load; a tensor of the wrong shape is left alone."""
+    fulls, _ = files(ckpt)
+    path = fulls[18]
+    _, expected = load_full(path)
+    model, _, _, _ = build()
+    live = {f"/model/{k}": v for k, v in model.state_dict(keep_vars=True).items()}
+    odd_key = next(k for k, v in live.items() if v.dim() == 2)
+    live[odd_key] = torch.zeros(3, 3)
+    monkeypatch.setattr(payloadread, "LOAD_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(payloadread, "RING_CHUNKS", 2)
+    _, state = load_full(path, into=live)
+    for key, tensor in expected.model.items():
+        assert torch.equal(state.model[key], tensor), key
+        if f"/model/{key}" != odd_key:
+            assert state.model[key] is live[f"/model/{key}"], key
+    assert not live[odd_key].any() and state.model[odd_key[len("/model/"):]] is not live[odd_key]
+    assert str(state.optimizer) == str(expected.optimizer)
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_a_bad_model_tensor_read_in_place_falls_back_exactly(run, ckpt, caplog, monkeypatch, chunk):
+    """resume reads the full checkpoint's model tensors into the model it is given: a damaged one
+    in the newest full checkpoint leaves that model holding part of it, and the fallback to the
+    older full checkpoint overwrites every one of them: the state is still exact."""
+    fulls, _ = files(ckpt)
+    index = read_full_index(fulls[18])
+    entry = max((e for e in index.tensors if e.key.startswith("/model/")), key=lambda e: e.offset)
+    damage(fulls[18], "flip", entry.offset + entry.nbytes - 1)
+    monkeypatch.setattr(payloadread, "LOAD_CHUNK_BYTES", chunk)
+    check_resume(run, ckpt, STEPS, caplog, warns_about=entry.key)
+    assert not _loader_threads()
+
+
+def test_full_load_without_madvise_populate(ckpt, monkeypatch):
+    """Kernels before 5.14 have no MADV_POPULATE_WRITE (and a libc may lack madvise): populate says
+    so, and the load takes its page faults in the reads instead, with the same result."""
+    fulls, _ = files(ckpt)
+    _, expected = load_full(fulls[18])
+    monkeypatch.setattr(fastio._memory, "_madvise", [None])
+    buffer = fastio.aligned_buffer(3 * 4096)
+    assert buffer.populate() is False
+    monkeypatch.setattr(payloadread, "LOAD_CHUNK_BYTES", 4096)
+    _, state = load_full(fulls[18])
+    for key, tensor in expected.model.items():
+        assert torch.equal(state.model[key], tensor), key
 
 
 def test_wrong_version(run, ckpt, capsys, caplog, tmp_path):

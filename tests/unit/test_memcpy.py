@@ -89,3 +89,13 @@ def test_checksums_are_the_crc32c_of_each_region(rng):
     for s, t in zip(sources, targets):
         assert np.array_equal(s, t)
     assert fastio.copy_regions([], [], [], checksums=True) == []
+
+
+def test_populate_faults_pages_in_and_keeps_them_zero():
+    buffer = fastio.aligned_buffer(5 * 4096 + 100)
+    assert buffer.populate(4096, 3 * 4096) is True   # Linux 5.14+ (this project's machines)
+    assert buffer.populate(0, 10**9) is True          # clamped to the mapping
+    assert buffer.populate(4096, 4096) is True        # nothing to do
+    assert not buffer.numpy().any()
+    with pytest.raises(ValueError, match="not a multiple of 4096"):
+        buffer.populate(100)
