@@ -221,23 +221,34 @@ def read_full_index(path: str, *, engine=None) -> FullIndex:
                                    reader.size)
 
 
-def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None) -> tuple[FullIndex, FullState]:
+def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None,
+              check=None) -> tuple[FullIndex, FullState]:
     """Read a full checkpoint: (index, state). The payload is read with O_DIRECT in chunks queued
     together (``payloadread``); each tensor's checksum is verified as soon as its bytes have
     arrived, while later chunks are still being read, so verifying costs no time of its own.
 
+    ``check(index, outline)``, if given, is called before the payload is read, with the state's
+    outline (every tensor a ``meta`` tensor of its dtype and shape): it raises to refuse the file
+    before anything is read into ``into``.
+
     ``into`` maps tensor keys (``"/model/<name>"``) to live tensors of the same dtype and shape:
     their bytes are copied straight into them, and the state holds those very tensors (so
-    ``load_state_dict`` finds them in place). If the load raises, those tensors hold part of the
-    checkpoint. The other large tensors are views of the read buffer (no copy): the optimizer
-    adopts them as its state."""
+    ``load_state_dict`` finds them in place). If the payload turns out damaged, those tensors hold
+    part of the checkpoint. The other large tensors are views of the read buffer (no copy): the
+    optimizer adopts them as its state."""
     with fastio.Reader(path, engine=engine) as reader:
         index = FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
                                     reader.size)
-        buffer, placed = read_payload(path, reader, index, verify, into or {})
         objects = reader.read(index.objects.offset, index.objects.nbytes)
-    if not _checksum_matches(index.objects, objects):
-        raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its checksum")
+        if not _checksum_matches(index.objects, objects):
+            raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its "
+                                               f"checksum")
+        skeleton = tree.loads(objects, path)
+        if check is not None:
+            outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
+                       for e in index.tensors}
+            check(index, _state(path, index, skeleton, outline))
+        buffer, placed = read_payload(path, reader, index, verify, into or {})
     staging = buffer.tensor() if index.payload_bytes else torch.empty(0, dtype=torch.uint8)
     tensors = {}
     for entry in index.tensors:
@@ -253,10 +264,12 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
             # is cloned: some torch entry points (set_rng_state, Generator.set_state) read a view
             # with a storage offset from the start of its storage.
             tensors[entry.key] = view if entry.nbytes >= PAGE and entry.key.startswith(_ZERO_COPY) else view.clone()
-    skeleton = tree.loads(objects, path)
+    return index, _state(path, index, skeleton, tensors)
 
+
+def _state(path: str, index: FullIndex, skeleton, tensors: dict) -> FullState:
     def lookup(key):
         if key not in tensors:
             raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
         return tensors[key]
-    return index, FullState.from_tree(path, tree.join_tensors(skeleton, lookup))
+    return FullState.from_tree(path, tree.join_tensors(skeleton, lookup))

@@ -152,12 +152,11 @@ def _plan_once(directory, check_full, stop_step, into):
     skipped: list = []
     for full in fulls:
         started = time.perf_counter()
-        loaded = _load_verified(directory, inventory, full, stop_step, skipped, into)
+        loaded = _load_verified(directory, inventory, full, stop_step, skipped, into, check_full)
         if loaded is None:
             continue
         load_s = time.perf_counter() - started
         index, state = loaded
-        check_full(os.path.join(directory, full.file), index, state)
         chain = _open_chain(directory, inventory, full.step, stop_step)
         reach = chain_end(manifest, full.step, [entry for entry, _ in chain])
         if stop_step is not None and reach < stop_step:
@@ -173,14 +172,17 @@ def _plan_once(directory, check_full, stop_step, into):
     return None
 
 
-def _load_verified(directory, inventory, full, stop_step, skipped: list, into):
+def _load_verified(directory, inventory, full, stop_step, skipped: list, into, check_full):
     """(index, state) of ``full`` if it verifies and is what its entry says; else None, with the
     reason appended to ``skipped`` and logged."""
     path = os.path.join(directory, full.file)
     try:
-        index, state = load_full(path, into=into() if into is not None else None)
-        check_entry(path, full, index, os.path.getsize(path), inventory.manifest.run)
-        return index, state
+        def check(index, outline) -> None:
+            # Whether the file is what its entry says, and fits the caller's objects, is known from
+            # its index and outline: both are checked before anything is read into the live model.
+            check_entry(path, full, index, os.path.getsize(path), inventory.manifest.run)
+            check_full(path, index, outline)
+        return load_full(path, into=into() if into is not None else None, check=check)
     except FileNotFoundError:
         _raise_if_moved(directory, inventory)
         why = f"{path} is missing"
