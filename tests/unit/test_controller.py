@@ -473,3 +473,20 @@ def test_a_decision_is_kept_in_the_measurements_file_at_once(tmp_path):
     assert (kept["full_every"], kept["batch_steps"]) == (decision.full_every, decision.batch_steps) != \
         (AUTO_INITIAL_FULL_EVERY, AUTO_INITIAL_BATCH_STEPS)
     assert kept == {"full_every": controller.full_every, "batch_steps": controller.batch_steps, "differentials": True}
+
+
+def test_a_probes_sample_is_kept_in_the_measurements_file_at_the_next_batch(tmp_path):
+    """A probe costs a few unrecorded steps: its sample is written to CONTROLLER.json by the diff
+    writer at the next batch, not only at the next full checkpoint (a SIGKILL before it would
+    make the restarted session probe again)."""
+    from lowdiff.controller import _Probe
+
+    controller = Controller(WrapConfig(full_every=40, batch_steps=4, differentials="auto"))
+    controller.load_state(str(tmp_path))
+    feed(controller)
+    controller._probe = _Probe(False, [0.11, 0.11], 0, samples=[0.1, 0.1], steps=2)
+    controller._end_probe_locked()
+    assert json.loads((tmp_path / "CONTROLLER.json").read_text())["samples"].get("record_ratio") is None
+    controller.batch_written(4, 0.01, 1_000_000)
+    kept = json.loads((tmp_path / "CONTROLLER.json").read_text())["samples"]["record_ratio"]
+    assert kept == [pytest.approx(1.1)]
