@@ -14,8 +14,11 @@ where a gradient came from). Measured, page cache dropped before each recovery (
                gradients, same optimizer state)
   full-load    lowdiff's full-checkpoint load (read + verify) against an O_DIRECT read of the same file
                by the same engine (queue depth, chunks) into memory already faulted in (the device's
-               speed) and into new memory, interleaved rounds with CPU time and page faults; and
-               torch.distributed.checkpoint.load
+               speed) and into new memory, interleaved rounds with CPU time and page faults; the
+               load into a model with a fresh AdamW (a new process: the optimizer's state must be
+               made) and with an AdamW that has state (a process that trained: it can be written in
+               place), each against torch.distributed.checkpoint's documented load (get_state_dict,
+               dcp.load, set_state_dict) into the same objects
 
 Then recovery time versus chain length (time travel: resume(step=K) on the same directory) with the
 read / decode / apply split. Prints tables and ratios; --csv writes the rows.
@@ -42,12 +45,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lowdiff  # noqa: E402
-import recovery  # noqa: E402
 from gpt import build_model  # noqa: E402
-from lowdiff.fullckpt import load_full  # noqa: E402
 
 import fastio  # noqa: E402
+import lowdiff  # noqa: E402
+import recovery  # noqa: E402
+from lowdiff.fullckpt import load_full  # noqa: E402
+from lowdiff.tree import split_tensors  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -171,25 +175,37 @@ def read_bandwidth(directory: str, nbytes: int) -> float:
     return nbytes / elapsed
 
 
-def dcp_load_time(work: str, model_name: str, repeats: int = 1, cache: bool = True) -> tuple[float, int]:
-    """(median seconds of ``repeats`` DCP loads into the live state_dict, bytes on disk)."""
+def dcp_checkpoint(work: str, model_name: str) -> tuple[str, int]:
+    """(path, bytes on disk) of a DCP checkpoint of the model and its AdamW state after one step
+    (the state lowdiff's full checkpoint holds), saved as DCP's documentation does: through
+    ``get_state_dict``, whose keys ``set_state_dict`` takes back."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process, on purpose
-
     model = build_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     synthetic_grads(list(model.parameters()), 0)
     opt.step()
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    model_sd, optim_sd = get_state_dict(model, opt)
     path = os.path.join(work, "dcp")
-    dcp.save(state, checkpoint_id=path)
-    seconds = statistics.median(measured(lambda: dcp.load(state, checkpoint_id=path), cache)[0]
-                                for _ in range(repeats))
-    size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-    return seconds, size
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    return path, sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def dcp_load(path: str, model, opt):
+    """DCP's documented load: ``get_state_dict`` (which gives a fresh optimizer state first, by a
+    step on zero gradients), ``dcp.load`` into those tensors in place, ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return opt
 
 
 def table(rows: list, columns: list) -> None:
@@ -317,7 +333,7 @@ def measured(fn, cache: bool) -> tuple[float, float, int]:
     return elapsed, cpu, after.ru_minflt - before.ru_minflt
 
 
-def full_load_cases(path: str, model_name: str) -> dict:
+def full_load_cases(path: str, dcp_path: str, model_name: str) -> dict:
     """What is timed, each with the page cache dropped: the same file's bytes read by one fastio
     O_DIRECT request (the engine's chunking and queue depth, as load_full uses) into memory that
     is already faulted in (the device's speed) and into new memory (what any loader that creates
@@ -332,59 +348,73 @@ def full_load_cases(path: str, model_name: str) -> dict:
             reader.read_into(0, buffer.view(0, size))
         return buffer
 
-    model = build_model(model_name, seed=1)
+    fresh_model = build_model(model_name, seed=1)
+    # The objects of a process that has trained (or initialised its optimizer's state): the state
+    # exists, and a load can write it in place. DCP always loads into existing tensors.
+    stepped_model = build_model(model_name, seed=2)
+    stepped = torch.optim.AdamW(stepped_model.parameters(), lr=1e-4)
+    synthetic_grads(list(stepped_model.parameters()), 1)
+    stepped.step()
 
-    def into_live():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # fresh: its state comes from the file
-        # As resume does: the model's tensors are read straight into it, the optimizer's state
-        # (new in a fresh process) into new memory the optimizer adopts.
+    def into_live(model, opt):
+        # As resume does: the model's tensors (and the optimizer's, if it has state) are read
+        # straight into them, the rest into new memory the optimizer adopts.
         live = {f"/model/{k}": v for k, v in model.state_dict(keep_vars=True).items()}
+        live.update(split_tensors(opt.state_dict()["state"], "/optimizer/state")[1])
         _, state = load_full(path, into=live)
         model.load_state_dict(state.model)
         opt.load_state_dict(state.optimizer)
         return opt
+
+    def fresh_adamw():
+        return torch.optim.AdamW(fresh_model.parameters(), lr=1e-4)   # its state comes from the file
     return {"device read, prefaulted memory": lambda: read_into(prefaulted),
             "populate new memory alone": lambda: fastio.aligned_buffer(size, populate=True),
             "device read, fresh memory": lambda: read_into(fastio.aligned_buffer(size)),
             "lowdiff load_full (read + verify)": lambda: load_full(path),
-            "lowdiff into live model + AdamW": into_live}
+            "lowdiff into model + fresh AdamW": lambda: into_live(fresh_model, fresh_adamw()),
+            "DCP into model + fresh AdamW": lambda: dcp_load(dcp_path, fresh_model, fresh_adamw()),
+            "lowdiff into model + AdamW with state": lambda: into_live(stepped_model, stepped),
+            "DCP into model + AdamW with state": lambda: dcp_load(dcp_path, stepped_model, stepped)}
 
 
 def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float, repeats: int, cache: bool) -> list:
     log("full-checkpoint load vs DCP ...")
     full = full_with_optimizer_state(work, model_name)
     size = os.path.getsize(full)
-    cases = full_load_cases(full, model_name)
+    dcp_path, dcp_bytes = dcp_checkpoint(work, model_name)
+    cases = full_load_cases(full, dcp_path, model_name)
     times: dict = {name: [] for name in cases}
-    for _ in range(repeats):   # interleaved: a shared machine's load drifts alike for every case
+    for round_ in range(repeats):   # interleaved: a shared machine's load drifts alike for every case
+        log(f"  round {round_ + 1}/{repeats}")
         for name, fn in cases.items():
             times[name].append(measured(fn, cache))
-    dcp_s, dcp_bytes = dcp_load_time(work, model_name, repeats, cache)
     device_s = statistics.median(t for t, _, _ in times["device read, prefaulted memory"])
     rows = []
     for name, runs in times.items():
         seconds = statistics.median(t for t, _, _ in runs)
-        rows.append({"method": name, "seconds": round(seconds, 3), "bytes": size,
-                     "of device bw": f"{device_s / seconds:.2f}",
+        nbytes = dcp_bytes if name.startswith("DCP") else size
+        rows.append({"method": name, "seconds": round(seconds, 3), "bytes": nbytes,
+                     "of device bw": f"{nbytes / seconds / (size / device_s):.2f}",
                      "cpu_s": round(statistics.median(c for _, c, _ in runs), 2),
                      "page_faults": int(statistics.median(f for _, _, f in runs))})
-    dcp_of_device = dcp_bytes / dcp_s / (size / device_s)
-    rows.append({"method": "DCP load into live state_dict", "seconds": round(dcp_s, 3), "bytes": dcp_bytes,
-                 "of device bw": f"{dcp_of_device:.2f}"})
-    by_name = {row["method"]: row for row in rows}
-    ours, live, fresh, populate = (float(by_name[n]["seconds"]) for n in (
-        "lowdiff load_full (read + verify)", "lowdiff into live model + AdamW", "device read, fresh memory",
-        "populate new memory alone"))
+    by_name = {row["method"]: float(row["seconds"]) for row in rows}
+    ours, fresh, populate = (by_name[n] for n in (
+        "lowdiff load_full (read + verify)", "device read, fresh memory", "populate new memory alone"))
     # A load that creates the state needs its memory: no loader into new memory beats the slower of
     # reading the bytes and populating the pages, whichever this machine makes the bottleneck.
     new_memory_bound = max(device_s, populate)
     print(f"\nfull-checkpoint load, {size / 2**20:.0f} MiB, median of {repeats} interleaved rounds, "
           f"{'page cache dropped before each' if cache else 'page cache NOT dropped'}; load average {load_average()}")
     table(rows, ["method", "seconds", "bytes", "of device bw", "cpu_s", "page_faults"])
+    with_state = by_name["lowdiff into model + AdamW with state"]
     print(f"device read of this file {size / device_s / 2**30:.2f} GiB/s (the bandwidth measured at the start: "
-          f"{bandwidth / 2**30:.2f} GiB/s); lowdiff load_full at {device_s / ours:.2f} of the device's read bandwidth "
-          f"(target >= 0.9), {fresh / ours:.2f} of a bare read into fresh memory; lowdiff into live / DCP time = "
-          f"{live / dcp_s:.2f}")
+          f"{bandwidth / 2**30:.2f} GiB/s); lowdiff load_full at {device_s / ours:.2f} of the device's read bandwidth, "
+          f"into a model + AdamW with state at {device_s / with_state:.2f} (target >= 0.9); load_full at "
+          f"{fresh / ours:.2f} of a bare read into fresh memory")
+    print(f"lowdiff / DCP time: into a fresh AdamW "
+          f"{by_name['lowdiff into model + fresh AdamW'] / by_name['DCP into model + fresh AdamW']:.2f}, "
+          f"into an AdamW with state {with_state / by_name['DCP into model + AdamW with state']:.2f} (target < 1)")
     print(f"new memory populates at {size / populate / 2**30:.2f} GiB/s here: a load into new memory takes at least "
           f"{new_memory_bound:.3f} s ({'populating' if populate > device_s else 'reading'} is the bottleneck); "
           f"load_full at {new_memory_bound / ours:.2f} of that bound")

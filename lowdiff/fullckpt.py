@@ -231,7 +231,8 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
     outline (every tensor a ``meta`` tensor of its dtype and shape): it raises to refuse the file
     before anything is read into ``into``.
 
-    ``into`` maps tensor keys (``"/model/<name>"``) to live tensors of the same dtype and shape:
+    ``into`` maps tensor keys (``"/model/<name>"``, ``"/optimizer/state/<index>/<name>"``) to live
+    tensors of the same dtype and shape (tensors sharing memory only partly are left out):
     their bytes are copied straight into them, and the state holds those very tensors (so
     ``load_state_dict`` finds them in place). If the payload turns out damaged, those tensors hold
     part of the checkpoint. The other large tensors are views of the read buffer (no copy): the

@@ -4,11 +4,11 @@ Two costs besides the device's own can make a load slower than the read: new mem
 second copy. On the virtual machines this runs on, faulting in new pages is about as slow as the
 device reads (1.5 GiB populated in 0.65-0.95 s against 0.5-0.75 s of O_DIRECT read), so:
 
-* Tensors the caller already has in memory (``into``: the live model's parameters and buffers)
-  are read into a small ring of pre-faulted chunks and copied from there into the live tensors,
-  checksummed on the way: no new memory for them, and the caller's own copy (``load_state_dict``)
-  then finds the bytes already in place.
-* The rest (a new optimizer's state) goes to one aligned buffer whose pages a helper thread
+* Tensors the caller already has in memory (``into``: the live model's parameters and buffers,
+  and the optimizer's state when it has some) are read into a small ring of pre-faulted chunks
+  and copied from there into the live tensors, checksummed on the way: no new memory for them,
+  and the caller's own ``load_state_dict`` then finds the bytes already in place.
+* The rest (a fresh optimizer's state) goes to one aligned buffer whose pages a helper thread
   faults in one chunk at a time, each with a single system call, ahead of the reads into it: the
   populating overlaps the reads instead of running inside each read's submission page by page.
 
@@ -41,6 +41,26 @@ def placeable(entry: TensorEntry, tensor) -> bool:
             and tuple(tensor.shape) == tuple(entry.shape) and tensor.numel() * tensor.element_size() == entry.nbytes)
 
 
+def apart(placed: dict) -> dict:
+    """``placed`` without the tensors whose memory partly overlaps another's (of two, the one
+    starting first is kept; e.g. an optimizer state tensor viewing part of a parameter): those
+    load into new memory, and the
+    caller's own ``load_state_dict`` then sets the shared memory as it would from any state dict.
+    The same memory under several keys (tied weights, stored under each) is kept: each key's bytes
+    are written over it in file order, as ``load_state_dict`` copies them in key order."""
+    def span(tensor) -> tuple:
+        return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+    kept: set = set()
+    reach, last = 0, None
+    for key, tensor in sorted(placed.items(), key=lambda item: (span(item[1])[0], -span(item[1])[1])):
+        here = span(tensor)
+        if here == last or here[0] >= reach:   # the same memory as the last kept, or apart from all kept
+            kept.add(key)
+            last, reach = here, max(reach, here[1])
+    return {key: tensor for key, tensor in placed.items() if key in kept}
+
+
 def read_payload(path: str, reader, index: FullIndex, verify: bool, into: dict) -> tuple[fastio.AlignedBuffer, dict]:
     """(buffer, placed): the payload's bytes, those of the entries in ``placed`` (key -> the live
     tensor of ``into`` they were copied into) in the live tensors, the rest in ``buffer``.
@@ -57,7 +77,7 @@ class _Load:
     def __init__(self, path: str, reader, index: FullIndex, verify: bool, into: dict) -> None:
         self.path, self.reader, self.verify = path, reader, verify
         self.total = index.payload_bytes
-        self.placed = {e.key: into[e.key] for e in index.tensors if e.key in into and placeable(e, into[e.key])}
+        self.placed = apart({e.key: into[e.key] for e in index.tensors if e.key in into and placeable(e, into[e.key])})
         self.entries = sorted(index.tensors, key=lambda e: e.offset + e.nbytes)   # in order of completion
         self.live = sorted((e for e in index.tensors if e.key in self.placed), key=lambda e: e.offset)
         rest = [(e.offset - PAYLOAD_OFFSET, e.offset - PAYLOAD_OFFSET + e.nbytes)

@@ -12,6 +12,7 @@ from lowdiff.config import Scheduler, Stateful
 from lowdiff.ddp import distributed_rank, rank_directory
 from lowdiff.errors import CheckpointError
 from lowdiff.partition import is_partitioned
+from lowdiff.tree import split_tensors
 
 from .compat import check_compatible
 from .distributed import restore_partitioned
@@ -209,12 +210,17 @@ class _Targets:
         self.inner.load_state_dict(state.optimizer)
 
     def live_tensors(self) -> dict:
-        """The model's own parameters and buffers under the keys a full checkpoint stores them
-        (``state_dict(keep_vars=True)`` hands out the live tensors, not detached views), without
-        those another optimizer's directory restores: a full checkpoint is read straight into them."""
+        """The tensors a full checkpoint is read straight into, under the keys it stores them: the
+        model's own parameters and buffers (``state_dict(keep_vars=True)`` hands out the live
+        tensors, not detached views; without those another optimizer's directory restores), and
+        the optimizer's state tensors when it already has state (a stepped optimizer, or time
+        travel in a process that trained): ``state_dict()`` packs the live tensors, and
+        ``load_state_dict`` adopts what the load returns, the same tensors."""
         foreign = capture.trained_elsewhere(self.model, self.inner)
-        return {f"/model/{key}": value for key, value in self.model.state_dict(keep_vars=True).items()
+        live = {f"/model/{key}": value for key, value in self.model.state_dict(keep_vars=True).items()
                 if key not in foreign}
+        live.update(split_tensors(self.inner.state_dict()["state"], "/optimizer/state")[1])
+        return live
 
     def params(self, index) -> list:
         return [p for group in self.inner.param_groups for p in group["params"]]

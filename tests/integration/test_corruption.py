@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lowdiff_helpers import build, forward_backward, train_steps, wrap
 
 import fastio
 import lowdiff
@@ -35,7 +36,6 @@ from lowdiff.demo import state_digest
 from lowdiff.fullckpt import load_full, read_full_index
 from lowdiff.manifest import MANIFEST_NAME, read_manifest
 from lowdiff.records import RECORD_HEADER
-from lowdiff_helpers import build, train_steps, wrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 23      # with lowdiff_helpers' settings: fulls 0, 6, 12, 18; batches 1-3, ..., 19-21, 22-23
@@ -408,6 +408,58 @@ def test_a_bad_model_tensor_read_in_place_falls_back_exactly(run, ckpt, caplog, 
     assert not _loader_threads()
 
 
+def resume_into_stepped(directory):
+    """Resume into objects whose optimizer already has state (a stepped one, as when going back in
+    a process that trained): (step, digest, {state key: data_ptr} before and after)."""
+    model, opt, sched, sampler = build()
+    forward_backward(model, sampler)
+    opt.step()
+    opt.zero_grad()
+
+    def pointers():
+        return {(i, k): v.data_ptr() for i, s in opt.state_dict()["state"].items() for k, v in s.items()
+                if isinstance(v, torch.Tensor) and v.numel() > 1}
+    before = pointers()
+    step = recovery.resume(directory, model, opt, scheduler=sched, extra_state={"sampler": sampler})
+    return step, state_digest(model, opt, sched, sampler), before, pointers()
+
+
+def test_optimizer_state_is_read_in_place_when_the_optimizer_has_some(run, ckpt, caplog):
+    """An optimizer that already has state gets the full checkpoint's state read straight into its
+    tensors (no new memory: the optimizer keeps the very tensors), and the result is exact."""
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        step, digest, before, after = resume_into_stepped(ckpt)
+    assert step == STEPS and digest == run.digests[STEPS]
+    assert before and after == before
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_a_bad_optimizer_tensor_read_in_place_falls_back_exactly(run, ckpt, caplog, monkeypatch, chunk):
+    """A damaged optimizer state tensor in the newest full checkpoint, read into the live optimizer's
+    tensors: the fallback to the older full checkpoint restores the state exactly."""
+    fulls, _ = files(ckpt)
+    index = read_full_index(fulls[18])
+    entry = max((e for e in index.tensors if e.key.startswith("/optimizer/state/")), key=lambda e: e.offset)
+    damage(fulls[18], "flip", entry.offset + entry.nbytes - 1)
+    monkeypatch.setattr(payloadread, "LOAD_CHUNK_BYTES", chunk)
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        step, digest, _, _ = resume_into_stepped(ckpt)
+    assert step == STEPS and digest == run.digests[STEPS]
+    assert any(entry.key in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert not _loader_threads()
+
+
+def test_live_tensors_sharing_memory_only_partly_are_not_read_in_place():
+    """Two targets overlapping in part cannot both take their bytes in place (the later write would
+    undo part of the earlier): the one starting first is kept, the other loads into new memory.
+    The same memory under two keys (tied weights) is kept under both."""
+    base = torch.zeros(64)
+    tied = torch.zeros(16)
+    placed = {"a": base[:32], "b": base[16:48], "c": base[48:], "t1": tied, "t2": tied}
+    assert list(payloadread.apart(placed)) == ["a", "c", "t1", "t2"]
+
+
 def test_full_load_without_madvise_populate(ckpt, monkeypatch):
     """Kernels before 5.14 have no MADV_POPULATE_WRITE (and a libc may lack madvise): populate says
     so, and the load takes its page faults in the reads instead, with the same result."""
@@ -552,7 +604,8 @@ def test_export_of_a_step_equals_the_state_at_that_step(run, tmp_path, step):
     assert set(opt_state) == set(want["optimizer"]["state"])
     for index, entry in want["optimizer"]["state"].items():
         for key, value in entry.items():
-            assert torch.equal(torch.as_tensor(opt_state[index][key]), torch.as_tensor(value)), f"optimizer {index}/{key}"
+            assert torch.equal(torch.as_tensor(opt_state[index][key]), torch.as_tensor(value)), \
+                f"optimizer {index}/{key}"
     assert exported["optimizer"]["param_groups"][0]["lr"] == want["optimizer"]["param_groups"][0]["lr"]
     assert exported["scheduler"] == want["scheduler"]
     assert exported["extra"] == {"sampler": want["sampler"]}
