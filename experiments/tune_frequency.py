@@ -551,7 +551,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, failures and a shorter real run (<5 min)")
     parser.add_argument("--root", default=os.getcwd(), help="where checkpoints are written (the storage measured)")
-    parser.add_argument("--out", default="results", help="directory for the CSVs and plots")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="directory for the CSVs, logs and plots (default: experiments/results)")
     parser.add_argument("--slow-factor", type=float, default=10.0, help="slow storage: I/O times multiplied by this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mtbf-s", type=float, default=20.0, help="real run: mean time between SIGKILLs")
