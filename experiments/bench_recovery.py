@@ -50,8 +50,7 @@ from gpt import build_model  # noqa: E402
 import fastio  # noqa: E402
 import lowdiff  # noqa: E402
 import recovery  # noqa: E402
-from lowdiff.fullckpt import load_full  # noqa: E402
-from lowdiff.tree import split_tensors  # noqa: E402
+from lowdiff.fullckpt import live_targets, load_full  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -359,9 +358,7 @@ def full_load_cases(path: str, dcp_path: str, model_name: str) -> dict:
     def into_live(model, opt):
         # As resume does: the model's tensors (and the optimizer's, if it has state) are read
         # straight into them, the rest into new memory the optimizer adopts.
-        live = {f"/model/{k}": v for k, v in model.state_dict(keep_vars=True).items()}
-        live.update(split_tensors(opt.state_dict()["state"], "/optimizer/state")[1])
-        _, state = load_full(path, into=live)
+        _, state = load_full(path, into=live_targets(model, opt))
         model.load_state_dict(state.model)
         opt.load_state_dict(state.optimizer)
         return opt

@@ -221,6 +221,18 @@ def read_full_index(path: str, *, engine=None) -> FullIndex:
                                    reader.size)
 
 
+def live_targets(model: torch.nn.Module, optimizer, exclude=frozenset()) -> dict:
+    """``load_full(into=...)`` for live objects: their tensors under the keys a full checkpoint
+    stores them (its state is ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``
+    split by ``tree.split_tensors``). The model's parameters and buffers (``keep_vars=True`` hands
+    out the live tensors, not detached views) except the names in ``exclude``, and the optimizer's
+    state tensors when it has state (``state_dict()`` packs the live tensors, and
+    ``load_state_dict`` adopts those the load returns)."""
+    live = {f"/model/{key}": value for key, value in model.state_dict(keep_vars=True).items() if key not in exclude}
+    live.update(tree.split_tensors(optimizer.state_dict()["state"], "/optimizer/state")[1])
+    return live
+
+
 def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None,
               check=None) -> tuple[FullIndex, FullState]:
     """Read a full checkpoint: (index, state). The payload is read with O_DIRECT in chunks queued
@@ -231,8 +243,9 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
     outline (every tensor a ``meta`` tensor of its dtype and shape): it raises to refuse the file
     before anything is read into ``into``.
 
-    ``into`` maps tensor keys (``"/model/<name>"``, ``"/optimizer/state/<index>/<name>"``) to live
-    tensors of the same dtype and shape (tensors sharing memory only partly are left out):
+    ``into`` maps tensor keys (``"/model/<name>"``, ``"/optimizer/state/<index>/<name>"``: see
+    ``live_targets``) to live tensors of the same dtype and shape (tensors sharing memory only
+    partly are left out):
     their bytes are copied straight into them, and the state holds those very tensors (so
     ``load_state_dict`` finds them in place). If the payload turns out damaged, those tensors hold
     part of the checkpoint. The other large tensors are views of the read buffer (no copy): the

@@ -44,20 +44,16 @@ def placeable(entry: TensorEntry, tensor) -> bool:
 def apart(placed: dict) -> dict:
     """``placed`` without the tensors whose memory partly overlaps another's (of two, the one
     starting first is kept; e.g. an optimizer state tensor viewing part of a parameter): those
-    load into new memory, and the
-    caller's own ``load_state_dict`` then sets the shared memory as it would from any state dict.
-    The same memory under several keys (tied weights, stored under each) is kept: each key's bytes
-    are written over it in file order, as ``load_state_dict`` copies them in key order."""
-    def span(tensor) -> tuple:
-        return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
-
+    load into new memory, and the caller's ``load_state_dict`` sets the shared memory as it would
+    from any state dict. The same memory under several keys (tied weights, stored under each) is
+    kept under all: each key's bytes are written over it, as ``load_state_dict`` copies each."""
+    spans = {key: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for key, t in placed.items()}
     kept: set = set()
     reach, last = 0, None
-    for key, tensor in sorted(placed.items(), key=lambda item: (span(item[1])[0], -span(item[1])[1])):
-        here = span(tensor)
-        if here == last or here[0] >= reach:   # the same memory as the last kept, or apart from all kept
+    for key in sorted(spans, key=lambda k: (spans[k][0], -spans[k][1])):
+        if spans[key] == last or spans[key][0] >= reach:   # the last kept memory again, or apart from all kept
             kept.add(key)
-            last, reach = here, max(reach, here[1])
+            last, reach = spans[key], max(reach, spans[key][1])
     return {key: tensor for key, tensor in placed.items() if key in kept}
 
 

@@ -11,8 +11,8 @@ from lowdiff import LowDiffOptimizer, capture
 from lowdiff.config import Scheduler, Stateful
 from lowdiff.ddp import distributed_rank, rank_directory
 from lowdiff.errors import CheckpointError
+from lowdiff.fullckpt import live_targets
 from lowdiff.partition import is_partitioned
-from lowdiff.tree import split_tensors
 
 from .compat import check_compatible
 from .distributed import restore_partitioned
@@ -210,17 +210,9 @@ class _Targets:
         self.inner.load_state_dict(state.optimizer)
 
     def live_tensors(self) -> dict:
-        """The tensors a full checkpoint is read straight into, under the keys it stores them: the
-        model's own parameters and buffers (``state_dict(keep_vars=True)`` hands out the live
-        tensors, not detached views; without those another optimizer's directory restores), and
-        the optimizer's state tensors when it already has state (a stepped optimizer, or time
-        travel in a process that trained): ``state_dict()`` packs the live tensors, and
-        ``load_state_dict`` adopts what the load returns, the same tensors."""
-        foreign = capture.trained_elsewhere(self.model, self.inner)
-        live = {f"/model/{key}": value for key, value in self.model.state_dict(keep_vars=True).items()
-                if key not in foreign}
-        live.update(split_tensors(self.inner.state_dict()["state"], "/optimizer/state")[1])
-        return live
+        """The live tensors a full checkpoint is read straight into (``fullckpt.live_targets``),
+        without the parameters another optimizer's directory restores."""
+        return live_targets(self.model, self.inner, exclude=capture.trained_elsewhere(self.model, self.inner))
 
     def params(self, index) -> list:
         return [p for group in self.inner.param_groups for p in group["params"]]
