@@ -41,10 +41,15 @@ repeated --repeats times in rotated order, and results pooled):
   close s         opt.close(): what was still to be written (and, staged, drained) at the end
   drain lag       (staged) the shared tier's lag in steps when training ended; backpressure waits
   drainer         (staged) per checkpoint interval: MB copied, seconds copying, reading the copy back
-                  (verify_copies: as many bytes read from the shared tier as written), committing
+                  (verify_copies: as many bytes read from the shared tier as written), committing;
+                  the read-back of one file overlaps the copy of the next, so these add up to more
+                  than the drainer's wall-busy time (either of its two threads working), also printed
 
 Storage: the bytes of checkpoint files in each tier, sampled after every step of the staged runs
-(keep-last 2 vs keep-all), as a table (and a plot with matplotlib installed).
+(keep-last 2 vs keep-all), as a table (and a plot with matplotlib installed), with the steps of the
+full checkpoints each tier held at each sample. Flatness is judged per tier from the sample where
+that tier's retention window is full (the first sample at which a full checkpoint it held before is
+gone: its retention had something to delete), on the samples just before each full checkpoint.
 
 Targets (issue #10): staged stall/ckpt within 10% of local-only (judged on the difference of means
 and its standard error: "met" when even its upper bound is within 10%, "not told apart" when the
@@ -183,11 +188,25 @@ class SlowTier:
 
 
 # ---------------------------------------------------------------------------- one configuration (child)
-def checkpoint_bytes(directory: Path) -> int:
+def tier_sample(directory: Path) -> tuple[int, list[int]]:
+    """(bytes of the checkpoint files, steps of the full checkpoints) in ``directory``."""
     try:
-        return sum(e.stat().st_size for e in os.scandir(directory) if e.name.startswith(("full-", "diff-")))
+        entries = [e for e in os.scandir(directory) if e.name.startswith(("full-", "diff-"))]
     except FileNotFoundError:
-        return 0
+        return 0, []
+    nbytes = 0
+    for e in entries:
+        try:
+            nbytes += e.stat().st_size
+        except FileNotFoundError:   # deleted by retention since the listing
+            pass
+    return nbytes, sorted(int(e.name.split("-")[1]) for e in entries if e.name.startswith("full-"))
+
+
+def storage_sample(step: int, local: Path, shared: Path) -> tuple:
+    """(step, local bytes, shared bytes, local full steps, shared full steps)."""
+    (local_bytes, local_fulls), (shared_bytes, shared_fulls) = tier_sample(local), tier_sample(shared)
+    return step, local_bytes, shared_bytes, local_fulls, shared_fulls
 
 
 def clocks() -> tuple[float, float, float]:
@@ -274,7 +293,7 @@ def run_config(args) -> dict:
             lowdiff_cpu_s.append(outer[1] - own[1])
             blocked_s.append((outer[0] - outer[1] - outer[2]) - (own[0] - own[1] - own[2]))
         if tiers is not None:
-            storage.append((step + 1, checkpoint_bytes(local), checkpoint_bytes(shared)))
+            storage.append(storage_sample(step + 1, local, shared))
     assert started is not None
     loop_s = time.perf_counter() - started
     stats = opt.stats()
@@ -283,7 +302,7 @@ def run_config(args) -> dict:
     opt.close()
     close_s = time.perf_counter() - closing
     if tiers is not None:
-        storage.append((total, checkpoint_bytes(local), checkpoint_bytes(shared)))
+        storage.append(storage_sample(total, local, shared))
     tier_stats = stats.get("tiers", {})
     drained = opt.stats().get("tiers", {})   # after close: the drain of what training left too
     return {"persist_ms": stats.get("full_persist_median_ms"), "config": args.config, "step_s": step_s,
@@ -537,13 +556,22 @@ def drain_lines(runs: dict, args) -> None:
         if not done:
             continue
         fulls = sum(r["fulls"] for r in runs[config])
-        busy_s = sum(r["loop_s"] + r["close_s"] for r in runs[config])
+        run_s = sum(r["loop_s"] + r["close_s"] for r in runs[config])
         copy_s, verify_s, commit_s = (sum(d[k] for d in done) for k in ("copy_s", "verify_s", "commit_s"))
+        stages_s = copy_s + verify_s + commit_s
         mb = sum(d["drained_bytes"] for d in done) / 1e6
         print(f"  {config:<15} copied {mb / fulls:6.1f} MB: copy {copy_s / fulls:5.2f} s, read-back "
               f"{verify_s / fulls:5.2f} s ({mb / fulls:.1f} MB read from the shared tier), commit+clean "
-              f"{commit_s / fulls:5.2f} s; busy {(copy_s + verify_s + commit_s) / busy_s:.0%} of the run, the "
-              f"read-back {verify_s / max(copy_s + verify_s + commit_s, 1e-9):.0%} of that")
+              f"{commit_s / fulls:5.2f} s (the read-back {verify_s / max(stages_s, 1e-9):.0%} of these)")
+        if all("busy_s" in d for d in done):
+            # The copier and the publisher overlap: their stages' sum counts overlapped time twice.
+            busy_s = sum(d["busy_s"] for d in done)
+            print(f"  {'':<15} busy (wall time with either drainer thread working) {busy_s / fulls:5.2f} s, "
+                  f"{busy_s / run_s:.0%} of the run; the stages' sum {stages_s / fulls:5.2f} s, so "
+                  f"{(stages_s - busy_s) / fulls:.2f} s of them ran at the same time")
+        else:
+            print(f"  {'':<15} busy {stages_s / run_s:.0%} of the run (measurements without the wall-busy figure: "
+                  f"the stages' sum, from a drainer that ran them one after another)")
 
 
 def storage_lines(runs: dict, args) -> None:
@@ -552,24 +580,67 @@ def storage_lines(runs: dict, args) -> None:
     print(f"{'step':>6} {'clean local':>12} {'clean shared':>13} {'keep-all local':>15} {'keep-all shared':>16}")
     for row in table:
         print(f"{row[0]:>6} {row[1]:>12.1f} {row[2]:>13.1f} {row[3]:>15.1f} {row[4]:>16.1f}")
-    # Steady state of keep-last 2: just before each full checkpoint from the third interval on (the
-    # base at step 0 holds no optimizer state yet), each tier holds two full checkpoints and the
-    # differentials since the older one.
     clean, keep = runs["staged"][0]["storage"], runs["staged-keepall"][0]["storage"]
+    # Just before a full checkpoint (the sample after step f - 1), a keep-last 2 tier whose window
+    # is full holds two full checkpoints and the differentials since the older one.
+    before_full = [i for i, sample in enumerate(clean) if sample[0] % args.full_every == args.full_every - 1]
+    judged = [flatness(clean, tier, before_full) for tier in ("local", "shared")]
+    verdicts = [verdict for verdict, _ in judged]
+    verdict = "MISSED" if "MISSED" in verdicts else "NOT JUDGED" if "NOT JUDGED" in verdicts else "met"
+    print(f"target: storage with cleaning stays flat (each tier, from its full retention window on: max within "
+          f"25% of min): {verdict}")
+    for _, line in judged:
+        print(line)
     points = [i for i, sample in enumerate(clean[:len(keep)])
               if sample[0] % args.full_every == args.full_every - 1 and sample[0] > 2 * args.full_every]
     if len(points) >= 2:
-        values = [clean[i][t] / 1e6 for i in points for t in (1, 2)]
-        flat = max(values) <= 1.25 * min(values)
         grown = [keep[i][2] / 1e6 for i in points]
         grows = all(b > a for a, b in zip(grown, grown[1:]))
-        print(f"target: storage with cleaning stays flat (both tiers just before each full checkpoint at steps "
-              f"{[clean[i][0] for i in points]}: {min(values):.1f}..{max(values):.1f} MB, max within 25% of min): "
-              f"{'met' if flat else 'MISSED'}; without cleaning the shared tier "
-              f"{'grows at every one' if grows else 'does NOT grow at every one'}: "
+        print(f"without cleaning the shared tier {'grows at every one' if grows else 'does NOT grow at every one'} "
+              f"of the samples just before a full checkpoint at steps {[keep[i][0] for i in points]}: "
               + " -> ".join(f"{v:.0f}" for v in grown) + " MB")
     else:
-        print(f"storage: too few steps to judge flatness (needs steps past {3 * args.full_every})")
+        print(f"storage without cleaning: too few steps to judge its growth (needs steps past {3 * args.full_every})")
+
+
+def window_full(samples: list, tier: str) -> tuple[int | None, str]:
+    """The index of the first sample at which ``tier``'s retention had deleted something (its window
+    is full from there on), and how that was told. Samples that list each tier's full checkpoints:
+    the first at which a full checkpoint the previous sample held is gone. Older measurements
+    (bytes only): the first at which the tier's bytes went down, which a copy landing in the same
+    sample can hide (then the window is found later; it is never found early)."""
+    column = 1 if tier == "local" else 2
+    if all(len(sample) >= 5 for sample in samples):
+        for i in range(1, len(samples)):
+            gone = sorted(set(samples[i - 1][column + 2]) - set(samples[i][column + 2]))
+            if gone:
+                return i, f"full checkpoint(s) of step {gone} deleted by step {samples[i][0]}"
+        return None, "no full checkpoint was ever deleted"
+    for i in range(1, len(samples)):
+        if samples[i][column] < samples[i - 1][column]:
+            return i, f"its bytes first went down at step {samples[i][0]} (no full-checkpoint lists in these samples)"
+    return None, "its bytes never went down (no full-checkpoint lists in these samples)"
+
+
+def flatness(samples: list, tier: str, before_full: list) -> tuple[str, str]:
+    """Judge one tier's flatness on the samples just before a full checkpoint taken once its window
+    is full: (verdict, a line saying which samples were judged and why the earlier ones were not)."""
+    column = 1 if tier == "local" else 2
+    start, how = window_full(samples, tier)
+    early = [i for i in before_full if start is None or i < start]
+    judged = [i for i in before_full if start is not None and i >= start]
+    skipped = ("; not judged, taken before the window was full: " +
+               ", ".join(f"step {samples[i][0]} {samples[i][column] / 1e6:.1f} MB" for i in early)) if early else ""
+    if len(judged) < 2:
+        why = (f"its retention window was never full in this run ({how})" if start is None else
+               f"window full: {how}, but fewer than two samples just before a full checkpoint after that "
+               f"({[samples[i][0] for i in judged]})")
+        return "NOT JUDGED", f"  {tier:<6} NOT JUDGED: {why}{skipped}"
+    values = [samples[i][column] / 1e6 for i in judged]
+    flat = max(values) <= 1.25 * min(values)
+    return ("met" if flat else "MISSED",
+            f"  {tier:<6} window full: {how}; judged at steps {[samples[i][0] for i in judged]}: "
+            f"{min(values):.1f}..{max(values):.1f} MB -> {'flat' if flat else 'MISSED'}{skipped}")
 
 
 def write_csvs(rows: list[dict], runs: dict, saved: dict, args) -> None:
