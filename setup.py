@@ -24,6 +24,12 @@ extensions = [
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),
+    Extension(
+        "lowdiff._nonzero",
+        sources=["lowdiff/_nonzero.pyx", "lowdiff/nonzero_core.c"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    ),
 ]
 
 setup(
@@ -33,7 +39,7 @@ setup(
     packages=find_packages(include=["lowdiff", "lowdiff.*", "fastio", "fastio.*", "recovery", "recovery.*"]),
     ext_modules=cythonize(extensions, language_level=3),
     # PEP 561: the packages carry their own types; the Cython modules' types are in .pyi stubs.
-    package_data={"lowdiff": ["py.typed"], "recovery": ["py.typed"], "fastio": ["py.typed", "*.pyi"]},
+    package_data={"lowdiff": ["py.typed", "*.pyi"], "recovery": ["py.typed"], "fastio": ["py.typed", "*.pyi"]},
     python_requires=">=3.10",
     # A range that torch 2.13 satisfies and no newer release does: an open range pulls a CUDA build.
     install_requires=["torch>=2.2,<2.14", "numpy", "zstandard>=0.20"],

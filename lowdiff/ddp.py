@@ -6,8 +6,8 @@ Aggregation: all ranks all-gather (indices, values) of their top-k selection; ea
 parts into a zero bucket in rank order with ``index_add_`` (indices unique per rank, so no
 atomics), then divides by the world size. Every rank computes the same bytes, and the optimizer
 consumes exactly them. The gradient handed to the optimizer is therefore sparse (the union of the
-ranks' selections); ``step()`` records its nonzero entries, which reproduce it exactly (the sum never
-yields -0.0: it starts from +0.0 and IEEE addition of opposite values gives +0.0).
+ranks' selections); ``step()`` records its entries whose bits are not zero, which reproduce it exactly (also a -0.0
+that clipping or a user's own change of the gradient leaves there).
 """
 import os
 from typing import TypeGuard
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .compress import Compressed
+from .nonzero import nonzero_elements
 
 
 def is_ddp(model: object) -> TypeGuard[torch.nn.parallel.DistributedDataParallel]:
@@ -93,13 +94,15 @@ class AggregatedRecorder:
     def __init__(self, sparse: bool):
         self.sparse = sparse
         self.error_feedback = False
+        self._counts: dict = {}   # slot -> nonzeros at its last step: the next step's likely count
 
     def compress(self, grad: torch.Tensor, slot: int, residuals: dict) -> Compressed:
         flat = grad.detach().reshape(-1)
         if not self.sparse:
             return Compressed("dense", flat.numel(), flat.clone())
-        indices = flat.nonzero().view(-1).to(torch.int32)
-        return Compressed("sparse", flat.numel(), flat.index_select(0, indices), indices)
+        indices, values = nonzero_elements(flat, self._counts.get(slot, 0))
+        self._counts[slot] = indices.numel()
+        return Compressed("sparse", flat.numel(), values, indices)
 
     def __repr__(self):
         return f"AggregatedRecorder(sparse={self.sparse})"
