@@ -9,7 +9,8 @@ differentials, a full checkpoint every --full-every steps, all configurations in
   staged-keepall the same with KeepAll() in both tiers         (storage without cleaning)
 
 The slow shared tier is, by default, an ext4 filesystem on a loop device (a sparse file under
-/var/tmp) whose reads and writes are throttled by the kernel's block-layer throttle: cgroup v2
+--image-dir: /dev/shm when it is a tmpfs, else /var/tmp) whose reads and writes are throttled by
+the kernel's block-layer throttle: cgroup v2
 ``io.max`` when the io controller is available, else cgroup v1 ``blkio.throttle.*_bps_device`` (the
 same blk-throttle mechanism). Every training process runs in a child cgroup made for it; the rule
 names only the loop device, so the local disk is not throttled. Set up and torn down here (root
@@ -78,11 +79,22 @@ CONFIGS = ("local-only", "direct-slow", "staged", "staged-keepall")
 
 
 # ---------------------------------------------------------------------------- the slow tier
+def default_image_dir() -> str:
+    """/dev/shm when it is a tmpfs (the image's pages then cost RAM only as they are written), else /var/tmp."""
+    try:
+        with open("/proc/mounts") as mounts:
+            if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts):
+                return "/dev/shm"
+    except OSError:
+        pass
+    return "/var/tmp"
+
+
 class SlowTier:
     """A throttled filesystem for the shared tier (or the user's mount). ``describe`` says what it
     is; ``preexec`` puts a child process into the throttled cgroup; ``close`` tears it all down."""
 
-    def __init__(self, shared_dir: str | None, image_gb: int, mbps: float, workdir: Path):
+    def __init__(self, shared_dir: str | None, image_gb: int, mbps: float, workdir: Path, image_dir: str):
         self.notes: list[str] = []
         self.mount: Path | None = None
         self.loop: str | None = None
@@ -101,7 +113,7 @@ class SlowTier:
             self.root.mkdir(parents=True, exist_ok=True)
             return
         try:
-            self._make_loop(image_gb, workdir)
+            self._make_loop(image_gb, workdir, image_dir)
         except (OSError, subprocess.CalledProcessError) as exc:
             self.notes.append(f"loop device setup failed ({exc}); falling back")
             self._teardown_loop()
@@ -115,8 +127,8 @@ class SlowTier:
         except OSError as exc:
             self.notes.append(f"no block-I/O throttle could be set ({exc}): the loop device runs at full speed")
 
-    def _make_loop(self, image_gb: int, workdir: Path) -> None:
-        self.image = Path(tempfile.mkstemp(prefix="lowdiff-tiers-", suffix=".img", dir="/var/tmp")[1])
+    def _make_loop(self, image_gb: int, workdir: Path, image_dir: str) -> None:
+        self.image = Path(tempfile.mkstemp(prefix="lowdiff-tiers-", suffix=".img", dir=image_dir)[1])
         os.truncate(self.image, image_gb << 30)
         self.loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(self.image)], check=True,
                                    capture_output=True, text=True).stdout.strip()
@@ -387,6 +399,11 @@ def main(argv=None) -> int:
     p.add_argument("--persist-steps", type=float, default=5.0,
                    help="how many training steps one full checkpoint's write to the slow tier should last")
     p.add_argument("--image-gb", type=int, default=8, help="size of the sparse loop image")
+    p.add_argument("--image-dir", default=default_image_dir(),
+                   help="where the loop image lives (default: /dev/shm when it is a tmpfs, else /var/tmp). In RAM "
+                        "the stand-in shares nothing with the local disk but the throttle; on the local disk's own "
+                        "ext4 its block allocations share that filesystem's journal with the local tier's "
+                        "fsyncs, which a real shared file system does not")
     p.add_argument("--shared-dir", help="use this (real, slow) mount for the shared tier instead of a loop device")
     p.add_argument("--csv", default=str(RESULTS / "storage_tiers.csv"))
     p.add_argument("--from-json", help="print the tables of an earlier run from its saved measurements "
@@ -424,7 +441,7 @@ def main(argv=None) -> int:
               f"{calibration['full_bytes'] / 1e6:.0f} MB -> throttle {args.throttle_mbps:.1f} MB/s: a full "
               f"checkpoint takes ~{args.persist_steps:g} steps to write to the slow tier, its drain with "
               f"read-back ~{2 * args.persist_steps:g} of the {args.full_every} between full checkpoints")
-    slow = SlowTier(args.shared_dir, args.image_gb, args.throttle_mbps, workdir)
+    slow = SlowTier(args.shared_dir, args.image_gb, args.throttle_mbps, workdir, args.image_dir)
     runs: dict = {c: [] for c in CONFIGS}
     try:
         for line in slow.describe():
