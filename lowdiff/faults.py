@@ -16,9 +16,6 @@ reaches ``point(PHASE)`` (N counts from 1). Phases, in the order a checkpoint go
 With storage tiers (lowdiff.tiers), the drainer copying committed files to the shared tier:
 
 ``drain-write``     a file's copy is written and synced under its temporary name in the shared tier
-                    (the copy of the file before it may be being read back meanwhile)
-``drain-verify``    a copy is read back and matches; it is not renamed yet (the next file's copy
-                    may be on its way)
 ``drain-commit``    the copy is committed under its name; the shared manifest does not list it yet
 ``clean``           between two deletions of files the shared tier's committed manifest dropped
 
@@ -38,7 +35,7 @@ PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", 
           "manifest-commit", "retention")
 # Reached only with a shared tier (lowdiff.drainer): kept apart so that a single-directory run's
 # list of phases (which tests crash at, one by one) stays as it is.
-TIER_PHASES = ("drain-write", "drain-verify", "drain-commit", "clean")
+TIER_PHASES = ("drain-write", "drain-commit", "clean")
 PARTITION_PHASES = ("dropped-clean",)
 
 

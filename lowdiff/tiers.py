@@ -123,18 +123,11 @@ class PolicyStore(CheckpointStore):
         with self._mutex:
             self._commit(self._retain(_with(self.manifest, entry)))
 
-    def would_keep(self, entry, ahead=()) -> bool:
-        """Whether retention would keep ``entry`` if it were listed now, after the entries
-        ``ahead`` (copies on their way, listed before it in this order; those already listed are
-        not listed again): an old file the policy drops at once is not worth copying."""
+    def would_keep(self, entry) -> bool:
+        """Whether retention would keep ``entry`` if it were listed now (an old file the policy
+        drops at once is not worth copying)."""
         with self._mutex:
-            manifest = self.manifest
-            for earlier in ahead:
-                # As commit_copied will list it. A copy on its way may be the base of the chain
-                # ``entry`` continues: judged without it, ``entry`` could look orphaned.
-                if earlier.file not in self.manifest.files():
-                    manifest = self._retain(_with(manifest, earlier))
-            return entry.file in self._retain(_with(manifest, entry)).files()
+            return entry.file in self._retain(_with(self.manifest, entry)).files()
 
 
 def _with(manifest: Manifest, entry) -> Manifest:

@@ -7,10 +7,8 @@ Digests are compared with an uninterrupted run without lowdiff (lowdiff.demo), o
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 import threading
 
@@ -19,10 +17,10 @@ import torch
 
 import lowdiff
 import recovery
-from lowdiff import tiercopy
+from lowdiff import drainer as drainer_module
 from lowdiff.demo import build, compressor_from, forward_backward, state_digest, train
 from lowdiff.inventory import take_inventory
-from lowdiff.tiers import KeepAll, KeepEvery, KeepLast, PolicyStore, Tiers
+from lowdiff.tiers import KeepAll, KeepEvery, KeepLast, Tiers
 
 STEPS = 30
 
@@ -157,13 +155,13 @@ def test_storage_bounded_with_cleaning_and_growing_without(tmp_path, policy):
 def test_training_runs_free_below_the_lag_bound_then_backpressure(tmp_path, reference, monkeypatch, caplog):
     local, shared = tmp_path / "local", tmp_path / "shared"
     gate = threading.Event()
-    copy = tiercopy.stage_copy
+    copy = drainer_module.copy_file
 
     def slow_copy(*args, **kwargs):
         gate.wait()            # the shared tier does not move until the test says so
         return copy(*args, **kwargs)
 
-    monkeypatch.setattr(tiercopy, "stage_copy", slow_copy)
+    monkeypatch.setattr(drainer_module, "copy_file", slow_copy)
     model, opt, sched, sampler = wrapped(local, Tiers(str(shared), max_lag_steps=6), full_every=100, batch_steps=1)
     done: list = []
     errors: list = []
@@ -234,7 +232,7 @@ def test_a_copy_that_reads_back_differently_is_never_committed_and_names_the_fil
     device between write and rename (done here to the real temporary file) is an error naming the
     file, and nothing of that copy is listed or left in the shared tier."""
     local, shared = tmp_path / "local", tmp_path / "shared"
-    check = tiercopy.check_copy
+    check = drainer_module.check_copy
     damaged: list = []
 
     def damage_then_check(path, target, nbytes, crc, engine=None):
@@ -247,7 +245,7 @@ def test_a_copy_that_reads_back_differently_is_never_committed_and_names_the_fil
             damaged.append(os.path.basename(target))
         return check(path, target, nbytes, crc, engine)
 
-    monkeypatch.setattr(tiercopy, "check_copy", damage_then_check)
+    monkeypatch.setattr(drainer_module, "check_copy", damage_then_check)
     model, opt, sched, sampler = wrapped(local, Tiers(str(shared)))
     errors: list = []
     try:
@@ -278,7 +276,7 @@ def test_copies_are_not_read_back_with_verify_copies_false(tmp_path, reference, 
     def never(*args, **kwargs):
         raise AssertionError("a copy was read back with verify_copies=False")
 
-    monkeypatch.setattr(tiercopy, "check_copy", never)
+    monkeypatch.setattr(drainer_module, "check_copy", never)
     model, opt, sched, sampler = wrapped(local, Tiers(str(shared), verify_copies=False))
     try:
         for _ in range(12):
@@ -311,158 +309,3 @@ def test_a_dead_writers_tiers_marker_temporary_is_removed_at_open(tmp_path):
     run_to(local, Tiers(str(tmp_path / "shared")), 2)
     assert not stray.exists() and live.exists()
     assert (local / "TIERS.json").exists()
-
-
-def manifest_files(directory) -> set:
-    """The files the committed MANIFEST.json of ``directory`` lists, as on disk now (no inventory:
-    an unlisted file that verifies would be adopted by it)."""
-    try:
-        with open(os.path.join(directory, "MANIFEST.json")) as f:
-            body = json.load(f)["manifest"]
-    except FileNotFoundError:
-        return set()
-    return {e["file"] for e in body["fulls"] + body["batches"]}
-
-
-class HeldReadBack:
-    """Patches the drainer's two halves: records the order in which copies are staged (durable
-    under their temporary names) and published (listed in the shared manifest), and holds the
-    read-back of the first copy whose name starts with ``prefix`` until ``ahead`` more copies have
-    been staged (``then(path)``: done to that copy before it is read back). What was in the shared
-    tier at that moment goes to ``seen``."""
-
-    def __init__(self, monkeypatch, local, shared, prefix: str, ahead: int, then=None):
-        self.local, self.shared, self.prefix, self.ahead, self.then = local, shared, prefix, ahead, then
-        self.staged: list = []
-        self.published: list = []
-        self.seen: dict = {}
-        self.cond = threading.Condition()
-        stage, check, commit = tiercopy.stage_copy, tiercopy.check_copy, PolicyStore.commit_copied
-
-        def recording_stage(source, target, *args, **kwargs):
-            result = stage(source, target, *args, **kwargs)
-            with self.cond:
-                self.staged.append(os.path.basename(target))
-                self.cond.notify_all()
-            return result
-
-        def held_check(path, target, nbytes, crc, engine=None):
-            name = os.path.basename(target)
-            if not self.seen and name.startswith(self.prefix):
-                with self.cond:
-                    self.cond.wait_for(lambda: len(self.staged) > self.staged.index(name) + self.ahead, timeout=60)
-                    after = self.staged[self.staged.index(name) + 1:]
-                self.seen.update(held=name, after=after, in_shared=set(os.listdir(self.shared)),
-                                 listed_shared=manifest_files(self.shared), listed_local=manifest_files(self.local))
-                if self.then is not None:
-                    self.then(path, nbytes)
-            return check(path, target, nbytes, crc, engine)
-
-        def recording_commit(store, entry):
-            commit(store, entry)
-            self.published.append(entry.file)
-
-        monkeypatch.setattr(tiercopy, "stage_copy", recording_stage)
-        monkeypatch.setattr(tiercopy, "check_copy", held_check)
-        monkeypatch.setattr(PolicyStore, "commit_copied", recording_commit)
-
-    def assert_invisible_while_held(self):
-        """Every copy staged behind the held one (and the held one) is durable under a temporary
-        name only: not under its name, not listed in the shared tier, still listed (pinned) locally."""
-        seen = self.seen
-        assert len(seen["after"]) >= self.ahead, \
-            f"while {seen['held']} was read back only {seen['after']} were copied: the drainer did not overlap"
-        for name in [seen["held"]] + seen["after"]:
-            assert name not in seen["in_shared"] and name not in seen["listed_shared"], name
-            assert any(n.startswith(f".{name}.tmp-") for n in seen["in_shared"]), name
-            assert name in seen["listed_local"], f"{name} was let go by the local tier before it was published"
-
-
-def steps_of(name: str) -> tuple:
-    m = re.match(r"^(full|diff)-(\d+)(?:-(\d+))?-", name)
-    assert m, name
-    return m.group(1), int(m.group(3) or m.group(2))
-
-
-def test_a_copy_is_read_back_while_the_next_ones_are_copied_and_none_shows_before_it_is_verified(
-        tmp_path, reference, monkeypatch):
-    """The drainer reads one copy back while it copies the next ones; still, a file appears in the
-    shared tier under its name and in its manifest only once its own copy is durable and read back,
-    the local tier keeps it until then, and the shared manifest lists files in the order they were
-    copied (each chain in step order). The drainer's wall-busy time is no more than its stages'
-    sum, and here less: the held read-back and the copies behind it overlapped."""
-    local, shared = tmp_path / "local", tmp_path / "shared"
-    held = HeldReadBack(monkeypatch, local, shared, prefix="full-", ahead=2)
-    run_to(local, Tiers(str(shared)), 12, full_every=4, batch_steps=3)
-    held.assert_invisible_while_held()
-    assert held.published == held.staged                      # published in the order copied, all of them
-    for kind in ("full", "diff"):
-        ends = [steps_of(n)[1] for n in held.published if n.startswith(kind)]
-        assert ends == sorted(ends) and len(set(ends)) == len(ends), (kind, held.published)
-    assert listed(shared).durable_step() == 12
-    assert not [n for n in os.listdir(shared) if ".tmp-" in n]
-    shutil.rmtree(local)
-    start, digest = resume_digest(local, shared)
-    assert (int(start), start.tier, digest) == (12, "shared", reference[12])
-
-
-def test_drainer_stats_report_its_busy_wall_time_apart_from_its_overlapping_stages(tmp_path, monkeypatch):
-    local, shared = tmp_path / "local", tmp_path / "shared"
-    held = HeldReadBack(monkeypatch, local, shared, prefix="full-", ahead=2)
-    model, opt, sched, sampler = wrapped(local, Tiers(str(shared)), full_every=4, batch_steps=3)
-    try:
-        for _ in range(12):
-            forward_backward(model, sampler)
-            opt.step()
-            opt.zero_grad()
-    finally:
-        opt.close()
-    held.assert_invisible_while_held()
-    stats = opt.stats()["tiers"]
-    stages = stats["copy_s"] + stats["verify_s"] + stats["commit_s"]
-    # Each thread's stages lie inside the time it was busy, so the union of the two is at least
-    # either thread's sum; the copies staged while the first read-back was held are counted once.
-    assert stats["busy_s"] >= stats["copy_s"] and stats["busy_s"] >= stats["verify_s"] + stats["commit_s"]
-    assert stats["busy_s"] < stages
-    assert stats["drained_files"] == len(held.published) > 0
-
-
-def test_a_failed_read_back_publishes_none_of_the_copies_behind_it(tmp_path, reference, monkeypatch):
-    """A copy damaged on the shared tier is caught by its read-back while later files' copies are
-    already durable under temporary names: the error names the damaged file (every time it is
-    raised), and neither it nor any copy behind it is listed, shown under its name or left as a
-    temporary file; the local tier still has them all."""
-    local, shared = tmp_path / "local", tmp_path / "shared"
-
-    def damage(path, nbytes):
-        with open(path, "r+b") as f:
-            f.seek(nbytes // 2)
-            byte = f.read(1)
-            f.seek(nbytes // 2)
-            f.write(bytes([byte[0] ^ 0x10]))
-
-    held = HeldReadBack(monkeypatch, local, shared, prefix="diff-", ahead=2, then=damage)
-    model, opt, sched, sampler = wrapped(local, Tiers(str(shared)), full_every=4, batch_steps=3)
-    errors: list = []
-    try:
-        for _ in range(12):
-            forward_backward(model, sampler)
-            opt.step()
-            opt.zero_grad()
-    except lowdiff.CorruptCheckpointError as exc:
-        errors.append(exc)
-        with pytest.raises(lowdiff.CorruptCheckpointError):
-            opt.flush()                                        # sticky
-    with pytest.raises(lowdiff.CorruptCheckpointError) as closing:
-        opt.close()
-    errors.append(closing.value)
-    held.assert_invisible_while_held()
-    damaged, behind = held.seen["held"], held.seen["after"]
-    assert all(damaged in str(e) and "reads back" in str(e) for e in errors)
-    assert damaged not in held.published and not set(behind) & set(held.published)
-    left = set(os.listdir(shared))
-    assert not ({damaged, *behind} & (left | listed(shared).files()))
-    assert not [n for n in left if ".tmp-" in n]
-    assert {damaged, *behind} <= listed(local).files()         # still pinned locally: never published
-    start, digest = resume_digest(local, shared)
-    assert start.tier == "local" and digest == reference[int(start)]
