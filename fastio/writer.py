@@ -4,10 +4,6 @@ Contract: nothing is visible at ``path`` until the writer commits (clean exit of
 block or ``commit()``): the data is written, ``fdatasync``ed, the temporary name is
 ``os.replace``d onto ``path`` and the directory is fsynced. On an exception inside the block, or
 ``abort()``, the temporary file is removed and an existing ``path`` is untouched.
-
-``sync()`` splits the commit in two: the data durable under the temporary name and the staging
-memory released now, the check and the rename by a later ``commit()`` (from any one thread), so a
-caller can verify one file while it writes the next.
 """
 from __future__ import annotations
 
@@ -118,26 +114,6 @@ class Writer:
             self._append_copy(memoryview(bytes(align - self._size % align)))
         return self._size
 
-    def sync(self) -> str:
-        """Make the data written so far durable under the temporary name (every write done, the
-        file cut to ``size``, ``fdatasync``) and release the staging memory; return the temporary
-        path. Nothing appears at ``path``; no more can be written. ``commit`` then only checks and
-        renames, ``abort`` (or a crash: a dead writer's temporary file) drops it. Idempotent."""
-        if self._state != "synced":
-            self._check_open()
-            try:
-                self._make_durable()
-            except OSError as exc:
-                self.abort()
-                if exc.filename is None:
-                    raise io_error(exc.errno, "sync", self.path) from None
-                raise
-            except BaseException:
-                self.abort()
-                raise
-            self._state = "synced"
-        return self._tmp_path
-
     def commit(self, check: Callable[[str], None] | None = None) -> None:
         """Make the file durable under its final name (see the module docstring). Idempotent.
         ``check(temporary_path)`` is called with the data durable under the temporary name, just
@@ -145,11 +121,14 @@ class Writer:
         appears at ``path``."""
         if self._state == "committed":
             return
-        if self._state != "synced":
-            self._check_open()
+        self._check_open()
         try:
-            if self._state != "synced":
-                self._make_durable()
+            padded = self._submit_current_slot(final=True)
+            self._wait_all()
+            self._release_slots()
+            if padded != self._size or self._size == 0 or self._allocated_bytes > self._size:
+                os.ftruncate(self._fd, self._size)
+            os.fdatasync(self._fd)
             if check is not None:
                 check(self._tmp_path)
         except OSError as exc:
@@ -170,14 +149,6 @@ class Writer:
             _unlink_quietly(self._tmp_path)
             raise io_error(exc.errno, "rename into place", self.path) from None
         self._state = "committed"
-
-    def _make_durable(self) -> None:
-        padded = self._submit_current_slot(final=True)
-        self._wait_all()
-        self._release_slots()
-        if padded != self._size or self._size == 0 or self._allocated_bytes > self._size:
-            os.ftruncate(self._fd, self._size)
-        os.fdatasync(self._fd)
 
     def abort(self) -> None:
         """Drop everything written; ``path`` is left as it was. Idempotent."""
@@ -214,7 +185,7 @@ class Writer:
         return False
 
     def __del__(self) -> None:
-        if getattr(self, "_state", None) in ("open", "synced"):
+        if getattr(self, "_state", None) == "open":
             warnings.warn(f"fastio.Writer for {self.path!r} was neither committed nor aborted; aborting",
                           ResourceWarning, stacklevel=2)
             try:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
@@ -89,49 +88,6 @@ def test_nothing_is_visible_before_commit(tmp_path, backend):
         writer.write(bytes(5 << 20))
         assert not path.exists()
     assert path.stat().st_size == 5 << 20
-
-
-def test_sync_makes_the_data_durable_under_the_temporary_name_and_commit_renames_it_later(tmp_path, rng, backend):
-    """``sync`` is the first half of ``commit``: the bytes durable under the temporary name, the
-    path untouched, no more writes; ``commit`` from another thread then checks and renames, and
-    ``abort`` after ``sync`` leaves nothing."""
-    path = tmp_path / "two-halves.bin"
-    data = random_bytes(rng, (3 << 20) + 5).tobytes()
-    writer = fastio.Writer(path, engine=backend)
-    writer.write(data)
-    temporary = writer.sync()
-    assert writer.sync() == temporary                      # idempotent
-    assert not path.exists() and temp_files(tmp_path) == [os.path.basename(temporary)]
-    with open(temporary, "rb") as f:
-        assert f.read() == data                            # cut to size, not padded
-    with pytest.raises(ValueError, match="synced"):
-        writer.write(b"x")
-    checked: list = []
-    finisher = threading.Thread(target=writer.commit, kwargs={"check": checked.append})
-    finisher.start()
-    finisher.join()
-    assert checked == [temporary] and path.read_bytes() == data and temp_files(tmp_path) == []
-    other = fastio.Writer(tmp_path / "dropped.bin", engine=backend)
-    other.write(data)
-    other.sync()
-    other.abort()
-    assert listing(tmp_path) == ["two-halves.bin"]
-
-
-def test_a_failed_check_after_sync_leaves_nothing(tmp_path, backend):
-    path = tmp_path / "refused.bin"
-    writer = fastio.Writer(path, engine=backend)
-    writer.write(b"abc" * 5000)
-    writer.sync()
-
-    def refuse(temporary):
-        raise ValueError("reads back differently")
-
-    with pytest.raises(ValueError, match="reads back"):
-        writer.commit(check=refuse)
-    assert listing(tmp_path) == []
-    with pytest.raises(ValueError, match="aborted"):
-        writer.commit()
 
 
 # --------------------------------------------------------------------------- SIGKILL
