@@ -580,15 +580,7 @@ def drain_lines(runs: dict, args) -> None:
         print(f"  {config:<15} copied {mb / fulls:6.1f} MB: copy {copy_s / fulls:5.2f} s, read-back "
               f"{verify_s / fulls:5.2f} s ({mb / fulls:.1f} MB read from the shared tier), commit+clean "
               f"{commit_s / fulls:5.2f} s (the read-back {verify_s / max(stages_s, 1e-9):.0%} of these)")
-        if all("busy_s" in d for d in done):
-            # The copier and the publisher overlap: their stages' sum counts overlapped time twice.
-            busy_s = sum(d["busy_s"] for d in done)
-            print(f"  {'':<15} busy (wall time with either drainer thread working) {busy_s / fulls:5.2f} s, "
-                  f"{busy_s / run_s:.0%} of the run; the stages' sum {stages_s / fulls:5.2f} s, so "
-                  f"{(stages_s - busy_s) / fulls:.2f} s of them ran at the same time")
-        else:
-            print(f"  {'':<15} busy {stages_s / run_s:.0%} of the run (measurements without the wall-busy figure: "
-                  f"the stages' sum, from a drainer that ran them one after another)")
+        print(f"  {'':<15} busy {stages_s / run_s:.0%} of the run (one thread: copy, read-back, commit in turn)")
 
 
 def storage_lines(runs: dict, args) -> None:
