@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The nonzero elements of a flat CPU array, judged by their bits, in one pass without the GIL (a
-thin layer over nonzero_core.c; lowdiff.sparse chooses the memory and calls it)."""
+thin layer over nonzero_core.c; lowdiff.nonzero chooses the memory and calls it)."""
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 
 cdef extern from "nonzero_core.h":

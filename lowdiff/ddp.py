@@ -6,8 +6,8 @@ Aggregation: all ranks all-gather (indices, values) of their top-k selection; ea
 parts into a zero bucket in rank order with ``index_add_`` (indices unique per rank, so no
 atomics), then divides by the world size. Every rank computes the same bytes, and the optimizer
 consumes exactly them. The gradient handed to the optimizer is therefore sparse (the union of the
-ranks' selections); ``step()`` records its entries whose bits are not zero, which reproduce it exactly (also a -0.0
-that clipping or a user's own change of the gradient leaves there).
+ranks' selections); ``step()`` records its entries whose bits are not zero (lowdiff.nonzero), which
+reproduce it exactly, also a -0.0 that clipping or the user's own change of the gradient leaves.
 """
 import os
 from typing import TypeGuard

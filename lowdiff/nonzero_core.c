@@ -5,18 +5,23 @@
 
 #define BLOCK_BYTES 32
 
-/* One loop per element size, so that the compiler sees fixed-size loads. */
+/* One loop per element size, so that the compiler sees fixed-size loads. A block of zeros is
+ * passed over with one test; the elements of any other block (and of the short last one) are
+ * looked at one by one. */
 #define DEFINE_SCAN(NAME, TYPE)                                                                   \
     static int64_t NAME(const TYPE *src, int64_t count, int32_t *positions, TYPE *values,         \
                         int64_t capacity) {                                                       \
         const int64_t per_block = BLOCK_BYTES / (int64_t)sizeof(TYPE);                            \
-        int64_t found = 0, i = 0;                                                                 \
-        for (; i + per_block <= count; i += per_block) {                                          \
-            uint64_t words[BLOCK_BYTES / 8];                                                      \
-            memcpy(words, src + i, BLOCK_BYTES); /* alignment-safe; compiles to plain loads */    \
-            if ((words[0] | words[1] | words[2] | words[3]) == 0)                                 \
-                continue;                                                                         \
-            for (int64_t j = i; j < i + per_block; j++) {                                         \
+        int64_t found = 0;                                                                        \
+        for (int64_t i = 0; i < count; i += per_block) {                                          \
+            const int64_t end = count - i < per_block ? count : i + per_block;                    \
+            if (end - i == per_block) {                                                           \
+                uint64_t words[BLOCK_BYTES / 8];                                                  \
+                memcpy(words, src + i, BLOCK_BYTES); /* alignment-safe; compiles to plain loads */\
+                if ((words[0] | words[1] | words[2] | words[3]) == 0)                             \
+                    continue;                                                                     \
+            }                                                                                     \
+            for (int64_t j = i; j < end; j++) {                                                   \
                 if (src[j] != 0) {                                                                \
                     if (found < capacity) {                                                       \
                         positions[found] = (int32_t)j;                                            \
@@ -24,15 +29,6 @@
                     }                                                                             \
                     found++;                                                                      \
                 }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        for (; i < count; i++) {                                                                  \
-            if (src[i] != 0) {                                                                    \
-                if (found < capacity) {                                                           \
-                    positions[found] = (int32_t)i;                                                \
-                    values[found] = src[i];                                                       \
-                }                                                                                 \
-                found++;                                                                          \
             }                                                                                     \
         }                                                                                         \
         return found;                                                                             \
