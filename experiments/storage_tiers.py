@@ -43,8 +43,7 @@ repeated --repeats times in rotated order, and results pooled):
   drain lag       (staged) the shared tier's lag in steps when training ended; backpressure waits
   drainer         (staged) per checkpoint interval: MB copied, seconds copying, reading the copy back
                   (verify_copies: as many bytes read from the shared tier as written), committing;
-                  the read-back of one file overlaps the copy of the next, so these add up to more
-                  than the drainer's wall-busy time (either of its two threads working), also printed
+                  one thread does them in turn, so their sum over the run's time is how busy it was
 
 Storage: the bytes of checkpoint files in each tier, sampled after every step of the staged runs
 (keep-last 2 vs keep-all), as a table (and a plot with matplotlib installed), with the steps of the
