@@ -52,13 +52,14 @@ class StepCapture:
         self._index_parameters()
         self._buffer_names = capture.persistent_buffer_names(self.model)
         self._recorder = self.compressor
+        self._recorded_elsewhere: frozenset = frozenset()   # see record_only
         if is_ddp(model):
             # The comm hook compresses and exchanges the gradients; step() records what it returned.
             hook = CompressedAllReduce(self.compressor, self.residuals, params=self.params)
             model.register_comm_hook(hook, CompressedAllReduce.hook)
             self._recorder = AggregatedRecorder(sparse=self.compressor.name == "topk")
         self._base_boundary: dict | None = None  # see capture_base_boundary
-        self._state_marks: set | None = None     # see _training_state_marks, at the last boundary
+        self._state_marks: list | None = None    # see _training_state_marks, at the last boundary
 
     def _index_parameters(self) -> None:
         """Slots, names and the model's state keys of the optimizer's parameters."""
@@ -70,6 +71,14 @@ class StepCapture:
         # Keys of the model's state that are optimizer parameters (tied weights appear under several).
         self.param_aliases = {k: slot_of[id(v)] for k, v in live_state.items() if id(v) in slot_of}
         self.foreign_keys = capture.trained_elsewhere(self.model, self.optimizer)
+
+    def record_only(self, slots) -> None:
+        """Record the gradients of ``slots`` only. Under DDP every rank holds the same aggregated
+        gradient and a partitioned directory keeps each parameter's in one rank's share
+        (lowdiff.partition): scanning the others' here would be thrown away at encoding. Outside
+        DDP the compressor changes the gradient the optimizer consumes and runs on every slot."""
+        if self._recorder is not self.compressor:
+            self._recorded_elsewhere = frozenset(range(len(self.params))) - frozenset(slots)
 
     # ------------------------------------------------------------ before the optimizer step
     def unscale_for_amp(self, found_inf, grad_scale) -> bool:
@@ -100,7 +109,7 @@ class StepCapture:
                 raise TypeError(f"parameter {self.param_names[slot]!r} has a sparse gradient; not supported")
         out = []
         for slot, p in enumerate(self.params):
-            if p.grad is None:
+            if p.grad is None or slot in self._recorded_elsewhere:
                 out.append(NO_GRAD)
                 continue
             compressed = self._recorder.compress(p.grad, slot, self.residuals)

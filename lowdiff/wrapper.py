@@ -118,6 +118,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # RNG, sampler and residuals, into its rank directory (lowdiff.partition).
         partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
         self._session = CheckpointSession(directory, self.config, engine, partition=partition)
+        if partition is not None:
+            self._capture.record_only(partition.slots)
         # Replica mode (LowDiff+): a background replica persisted as full checkpoints; differentials
         # only for the steps since the newest persisted replica.
         self._replica = Replica(self._capture, self._session.store, self.config, replica_inflight_steps,
