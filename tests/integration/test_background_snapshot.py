@@ -130,6 +130,19 @@ def test_a_change_outside_step_forces_a_full_checkpoint_so_resume_stays_exact(tm
     opt2.close()
 
 
+@pytest.mark.parametrize("change, named", [
+    (lambda opt, first: opt.state[first]["exp_avg_sq"].mul_(2.0), "0.weight (optimizer state 'exp_avg_sq')"),
+    (lambda opt, first: opt.load_state_dict(copy.deepcopy(opt.state_dict())), "0.bias (optimizer state 'exp_avg')"),
+], ids=["in-place", "replaced"])
+def test_the_warning_names_the_optimizer_state_that_changed(tmp_path, change, named):
+    directory, model, opt, sched, sampler = trained(tmp_path, 2)
+    change(opt, opt.param_groups[0]["params"][0])
+    with pytest.warns(RuntimeWarning, match="outside step") as caught:
+        train_steps(model, opt, sched, sampler, 2, 3)
+    opt.close()
+    assert any(named in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_close_right_after_a_full_step_commits_it(tmp_path):
     directory, model, opt, _, _ = trained(tmp_path, FULL_EVERY)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
