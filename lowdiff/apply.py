@@ -105,6 +105,23 @@ class _FlatBuffer:
             self.dirty = _ALL
 
 
+def _back_to_back(values: list) -> torch.Tensor:
+    """The 1-D tensors ``values`` joined: a view when they already lie back to back in one storage
+    (a record decoded from a buffer handed over: lowdiff.records.decode_record), else one
+    concatenation."""
+    if len(values) == 1:
+        return values[0]
+    first = values[0]
+    storage = first.untyped_storage()
+    at = first.data_ptr()
+    for v in values:
+        if v.dtype != first.dtype or v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != at:
+            return torch.cat(values)
+        at += v.numel() * v.element_size()
+    total = sum(v.numel() for v in values)
+    return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (total,), (1,))
+
+
 class GradientBuffers:
     """Preallocated gradients of ``params`` (param_groups order) for replaying many records."""
 
@@ -156,7 +173,7 @@ class GradientBuffers:
         values = [grad.values.reshape(-1) for _, grad in part]
         if not part:
             return BufferUpdate(torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.int64))
-        joined = torch.cat(values) if len(values) > 1 else values[0]
+        joined = _back_to_back(values)
         if all(grad.kind == "dense" for _, grad in part) and joined.numel() == numel:
             return BufferUpdate(joined, None)   # every parameter dense: the values are the buffer
         indices = [np.arange(slot.offset, slot.offset + slot.numel, dtype=np.int64) if grad.kind == "dense"

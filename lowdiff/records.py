@@ -8,6 +8,7 @@ usable prefix of a batch instead of poisoning the whole file.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import struct
@@ -173,10 +174,17 @@ def _compressor() -> zstandard.ZstdCompressor:
     return _local.zstd
 
 
-def decode_record(data, path: str, offset: int, expected_step: int | None = None) -> StepRecord:
-    """Parse and verify one record from ``data`` (header + body). Raises CorruptCheckpointError."""
+def decode_record(data, path: str, offset: int, expected_step: int | None = None, *,
+                  owned: bool = False) -> StepRecord:
+    """Parse and verify one record from ``data`` (header + body). Raises CorruptCheckpointError.
+
+    ``owned``: ``data`` is a writable buffer handed over for good (the caller neither reads nor
+    reuses it while the record lives): the values are then views of it, not copies, and its bytes
+    may be moved (see ``_value_region``). A dense record's values are the size of the model, and
+    each copy of them into new memory costs about as much as reading them."""
     where = f"record at offset {offset}"
-    step, packed, raw = _verified_body(memoryview(data), path, where, expected_step)
+    view = memoryview(data)
+    step, packed, raw = _verified_body(view, path, where, expected_step)
     try:
         structured = zstandard.ZstdDecompressor().decompress(packed)
     except zstandard.ZstdError as exc:
@@ -188,7 +196,8 @@ def decode_record(data, path: str, offset: int, expected_step: int | None = None
         raise CorruptCheckpointError(path, f"{where} has metadata that is not JSON: {exc}") from None
     pos = 4 + meta_len
     objects = tree.loads(structured[pos:pos + meta.objects_bytes], path)
-    grads = _decode_grads(meta, structured, pos + meta.objects_bytes, raw, path, where)
+    region = _value_region(view, RECORD_HEADER.size + packed.nbytes, raw.nbytes, owned)
+    grads = _decode_grads(meta, structured, pos + meta.objects_bytes, region, path, where)
     return StepRecord(step, meta.skipped, grads, objects)
 
 
@@ -217,8 +226,10 @@ def _verified_body(view: memoryview, path: str, where: str, expected_step: int |
     return step, body[:packed_len], body[packed_len:]
 
 
-def _decode_grads(meta: RecordMeta, structured: bytes, pos: int, raw: memoryview, path: str, where: str) -> list:
-    """The gradients ``meta`` describes: values from ``raw``, index deltas from ``structured`` at ``pos``."""
+def _decode_grads(meta: RecordMeta, structured: bytes, pos: int, region: torch.Tensor, path: str, where: str) -> list:
+    """The gradients ``meta`` describes: values from ``region`` (the value bytes, see
+    ``_value_region``), index deltas from ``structured`` at ``pos``."""
+    raw_bytes = region.numel()
     raw_pos, grads = 0, []
     for grad in meta.grads:
         if grad.kind == "none":
@@ -227,10 +238,9 @@ def _decode_grads(meta: RecordMeta, structured: bytes, pos: int, raw: memoryview
         dtype = dtype_from_name(grad.dtype, path)
         count = grad.nnz if grad.kind == "sparse" else grad.numel
         nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if raw_pos + nbytes > raw.nbytes:
-            raise CorruptCheckpointError(path, f"{where} describes more value bytes than its {raw.nbytes}")
-        values = torch.frombuffer(bytearray(raw[raw_pos:raw_pos + nbytes]), dtype=dtype) if nbytes else \
-            torch.empty(0, dtype=dtype)
+        if raw_pos + nbytes > raw_bytes:
+            raise CorruptCheckpointError(path, f"{where} describes more value bytes than its {raw_bytes}")
+        values = _values(region, raw_pos, nbytes, dtype)
         raw_pos += nbytes
         if grad.kind == "dense":
             grads.append(Compressed("dense", grad.numel, values))
@@ -244,9 +254,40 @@ def _decode_grads(meta: RecordMeta, structured: bytes, pos: int, raw: memoryview
         if grad.nnz and (indices[-1] >= grad.numel or (grad.nnz > 1 and deltas[1:].min() == 0)):
             raise CorruptCheckpointError(path, f"{where} has indices that are not sorted, unique and < {grad.numel}")
         grads.append(Compressed("sparse", grad.numel, values, torch.from_numpy(indices.astype(np.int32))))
-    if raw_pos != raw.nbytes:
-        raise CorruptCheckpointError(path, f"{where} declares {raw.nbytes} value bytes but describes {raw_pos}")
+    if raw_pos != raw_bytes:
+        raise CorruptCheckpointError(path, f"{where} declares {raw_bytes} value bytes but describes {raw_pos}")
     return grads
+
+
+def _value_region(view: memoryview, start: int, nbytes: int, owned: bool) -> torch.Tensor:
+    """The record's value bytes ``view[start:start + nbytes]`` (verified) as one uint8 tensor at an
+    8-aligned address, which every gradient's values are views of. Not ``owned``: one copy (new
+    memory is aligned). ``owned``: the buffer itself; values that do not start 8-aligned there are
+    moved down onto the end of the packed part before them (already decompressed, so no longer
+    needed) instead of being copied into new memory."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    if owned and not view.readonly:
+        address = torch.frombuffer(view, dtype=torch.uint8).data_ptr() + start
+        shift = address % 8
+        if shift <= start - RECORD_HEADER.size:   # the packed part before the values is that long
+            if shift:
+                ctypes.memmove(address - shift, address, nbytes)   # the ranges overlap: memmove
+            # Its own tensor (storage) over exactly these bytes: views as other dtypes need their
+            # offsets in it to be multiples of the element size.
+            return torch.frombuffer(view[start - shift:start - shift + nbytes], dtype=torch.uint8)
+    return torch.frombuffer(bytearray(view[start:start + nbytes]), dtype=torch.uint8)
+
+
+def _values(region: torch.Tensor, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``nbytes`` of ``region`` from ``start`` as ``dtype`` values: a view, or a copy where they do
+    not start at a multiple of their size (a record mixing dtypes)."""
+    if not nbytes:
+        return torch.empty(0, dtype=dtype)
+    piece = region[start:start + nbytes]
+    if piece.storage_offset() % dtype.itemsize:   # the region starts 8-aligned: so is this then
+        piece = piece.clone()
+    return piece.view(dtype)
 
 
 def record_length(header: bytes) -> tuple[int, int]:

@@ -21,7 +21,9 @@ import os
 import threading
 import time
 
+import fastio
 from lowdiff.apply import GradientBuffers
+from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError
 
 from .progress import Progress
@@ -81,14 +83,52 @@ def _tasks(chain: list, first_step: int, stop_step: int | None, warn):
             return
 
 
-def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes):
-    """Read, verify and decode one record into per-buffer updates (a worker thread)."""
+class _RecordMemory:
+    """Page-aligned read buffers reused from record to record. A record is read whole into one
+    (through O_DIRECT: its page-aligned span), decoded into views of it, and the buffer comes back
+    once the step after it is applied. A dense record is the size of the model: new memory for each
+    one would be faulted in and unmapped beside the optimizer's step, which then runs several
+    times slower on a small machine; so would the page cache that unaligned reads go through."""
+
+    def __init__(self):
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> fastio.AlignedBuffer:
+        with self._lock:
+            fitting = [i for i, b in enumerate(self._free) if b.capacity_bytes >= nbytes]
+            if fitting:
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].capacity_bytes))
+        return fastio.aligned_buffer(nbytes)
+
+    def give(self, buffer: fastio.AlignedBuffer | None) -> None:
+        if buffer is not None:
+            with self._lock:
+                self._free.append(buffer)
+
+
+def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, memory: _RecordMemory):
+    """Read, verify and decode one record into per-buffer updates (a worker thread). Returns them
+    with the read buffer they are views of (None: the reader's own bytes, e.g. joined shares)."""
     started = time.perf_counter()
-    data = reader.read_record_bytes(position)
+    buffer = None
+    if isinstance(reader, BatchReader):
+        start, nbytes, lead = reader.aligned_span(position)
+        buffer = memory.take(nbytes)
+        try:
+            reader.read_span_into(start, buffer.view(0, nbytes))
+        except BaseException:
+            memory.give(buffer)
+            raise
+        data = buffer.view(lead, lead + reader.record_nbytes(position))
+    else:
+        data = reader.read_record_bytes(position)
     read = time.perf_counter()
-    prepared = buffers.prepare(reader.decode_record(position, data))
+    record = reader.decode_record(position, data, owned=True) if buffer is not None else \
+        reader.decode_record(position, data)
+    prepared = buffers.prepare(record)
     times.add(read - started, time.perf_counter() - read)
-    return prepared
+    return prepared, buffer
 
 
 def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None, workers=None,
@@ -108,23 +148,27 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
                         "replaying differentials")
     in_flight: collections.deque = collections.deque()
     buffers = GradientBuffers(params)
+    memory = _RecordMemory()
+    held = None   # the read buffer of the last record applied (its record is returned)
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
         try:
-            _fill(in_flight, tasks, pool, window, buffers, times)
+            _fill(in_flight, tasks, pool, window, buffers, times, memory)
             while in_flight:
                 item = in_flight.popleft()
                 if isinstance(item, CorruptCheckpointError):
                     warn(f"lowdiff: {item}; resuming at step {step}, the last step that verifies")
                     break
                 try:
-                    prepared = item.result()
+                    prepared, buffer = item.result()
                 except (CorruptCheckpointError, OSError, EOFError) as exc:
                     warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
                     break
                 started = time.perf_counter()
                 buffers.apply(prepared, optimizer)
                 times.apply_s += time.perf_counter() - started
-                _fill(in_flight, tasks, pool, window, buffers, times)   # after: at most ``window`` held
+                memory.give(held)
+                held = buffer
+                _fill(in_flight, tasks, pool, window, buffers, times, memory)   # after: at most ``window`` held
                 times.records += 1
                 progress.update()
                 step, last = prepared.record.step, prepared.record
@@ -139,11 +183,11 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
 
 
 def _fill(in_flight: collections.deque, tasks, pool, window: int, buffers: GradientBuffers,
-          times: ReplayTimes) -> None:
+          times: ReplayTimes, memory: _RecordMemory) -> None:
     """Submit tasks until ``window`` are in flight (an error item ends the task list)."""
     while len(in_flight) < window and not (in_flight and isinstance(in_flight[-1], CorruptCheckpointError)):
         task = next(tasks, None)
         if task is None:
             return
         is_error = isinstance(task, CorruptCheckpointError)
-        in_flight.append(task if is_error else pool.submit(_load, *task, buffers, times))
+        in_flight.append(task if is_error else pool.submit(_load, *task, buffers, times, memory))

@@ -121,6 +121,40 @@ def test_record_round_trip(record):
 
 
 @SETTINGS
+@given(step_records(), st.integers(0, 15))
+def test_a_record_decoded_from_a_buffer_handed_over_is_the_same_and_made_of_views_of_it(record, shift):
+    """``owned``: at any alignment of the buffer the bytes decode to the same record, and the values
+    are views of the buffer (moved into alignment there, not copied out); not ``owned``: copies."""
+    data = encoded(record)
+    buffer = bytearray(shift) + bytearray(data)
+    start = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    decoded = decode_record(memoryview(buffer)[shift:], "mem", 0, expected_step=record.step, owned=True)
+    assert_same_record(decoded, record)
+    at = 0   # each value's offset among the record's value bytes (they start 8-aligned)
+    for v in (g.values for g in decoded.grads if g.values is not None and g.values.numel()):
+        if at % v.element_size() == 0:   # else (mixed dtypes) a copy is fine
+            assert start <= v.data_ptr() < start + len(buffer) and v.data_ptr() % v.element_size() == 0
+        at += v.numel() * v.element_size()
+    copied = decode_record(data, "mem", 0, expected_step=record.step)
+    assert_same_record(copied, record)
+    assert not any(start <= g.values.data_ptr() < start + len(buffer)
+                   for g in copied.grads if g.values is not None and g.values.numel())
+
+
+def test_dense_values_decoded_from_their_own_buffer_join_without_a_copy():
+    from lowdiff.apply import GradientBuffers
+    params = [torch.zeros(3, 5), torch.zeros(7), torch.zeros(2, 2)]
+    grads = [Compressed("dense", p.numel(), torch.randn(p.numel())) for p in params]
+    data = encoded(StepRecord(4, False, grads, {"groups_used": [], "groups_after": []}))
+    for shift in range(8):
+        buffer = bytearray(shift) + bytearray(data)
+        record = decode_record(memoryview(buffer)[shift:], "mem", 0, expected_step=4, owned=True)
+        (update,) = GradientBuffers(params).prepare(record).updates
+        assert update.indices is None and torch.equal(update.values, torch.cat([g.values for g in grads]))
+        assert update.values.data_ptr() == record.grads[0].values.data_ptr()   # one view, no concatenation
+
+
+@SETTINGS
 @given(sparse_grads())
 def test_delta_encoded_indices_round_trip_exactly(grad):
     record = StepRecord(7, False, [grad], {})
