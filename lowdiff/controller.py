@@ -98,9 +98,10 @@ def process_age_s() -> float | None:
 
 
 def _replay_workers() -> int:
-    # recovery.replay.default_workers (lowdiff does not import recovery): the machine's cores, <= 8.
+    # recovery.replay.default_workers (lowdiff does not import recovery): the machine's cores but
+    # the applying thread's, 1..8.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores))
+    return max(1, min(8, cores - 1))
 
 
 class _Window:

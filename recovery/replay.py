@@ -48,15 +48,28 @@ class ReplayTimes:
             self.decode_s += decode_s
 
 
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_workers() -> int:
-    """The machine's cores (at least 1, at most 8: beyond that the apply is the bound)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """Decoding threads of a replay: the machine's cores but the one the applying thread uses (at
+    least 1, at most 8: beyond that the apply is the bound). On 2 cores a second decoder measured
+    slower than one (bench_recovery, TopK and Dense): it takes the CPU and memory bandwidth that the
+    optimizer's steps need."""
+    return max(1, min(8, machine_cores() - 1))
+
+
+def verify_workers() -> int:
+    """Checking threads of ``verify`` (nothing is applied): the machine's cores, at most 8."""
+    return max(1, min(8, machine_cores()))
 
 
 def check_workers(workers):
     """``workers`` if it is None or an int >= 1; else ValueError naming it."""
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
-        raise ValueError(f"workers={workers!r} must be an int >= 1 (or None for the machine's cores)")
+        raise ValueError(f"workers={workers!r} must be an int >= 1 (or None for the default)")
     return workers
 
 

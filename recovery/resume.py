@@ -121,7 +121,7 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     abandons the steps after it (a warning says which).
 
     ``workers`` threads read and decode differentials ahead of the apply (default: the machine's
-    cores); any count gives the same bytes.
+    cores but the applying one, see recovery.replay.default_workers); any count gives the same bytes.
 
     Error-feedback residuals of a TopK compressor are per-rank and cannot be rebuilt from the
     aggregated differentials: they are restored when the resumed step is a full checkpoint's

@@ -18,7 +18,7 @@ from lowdiff.records import decode_record
 from lowdiff.sharefile import parse_diff_share, read_full_share_index, read_own, read_share_bytes_into
 
 from .distributed import plan
-from .replay import default_workers
+from .replay import verify_workers
 from .verify import Problem, VerifyReport, _inventory_problems, _manifest_problems, checked
 
 
@@ -84,7 +84,7 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
         name = os.path.basename(directory)
         jobs += [(os.path.join(name, e.file), e, manifest.run) for e in manifest.fulls + manifest.batches]
         adopted += [os.path.join(name, n) for n in inventory.adopted]
-    with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
+    with concurrent.futures.ThreadPoolExecutor(workers or verify_workers()) as pool:
         results = list(pool.map(lambda job: _check(os.path.join(root, job[0]), job[1], job[2]), jobs))
     ok, reach = [], {}
     for (name, _, _), (problem, last) in zip(jobs, results):

@@ -17,7 +17,7 @@ from lowdiff.fullckpt import load_full
 from lowdiff.inventory import check_entry, take_inventory
 from lowdiff.manifest import MANIFEST_NAME, FullEntry, Manifest, plan_chain, read_manifest
 
-from .replay import check_workers, default_workers
+from .replay import check_workers, verify_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ def _verify_once(directory: str, workers: int | None) -> VerifyReport:
     empty = not manifest.files() and not inventory.ignored and inventory.committed is None
     problems = [] if empty else _manifest_problems(directory)   # an empty directory is not damage
     entries = manifest.fulls + manifest.batches
-    with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
+    with concurrent.futures.ThreadPoolExecutor(workers or verify_workers()) as pool:
         results = list(pool.map(lambda e: _check(directory, e, manifest.run), entries))
     ok, gone, reach = [], [], {}
     for entry, (problem, last_good) in zip(entries, results):
