@@ -14,6 +14,7 @@ previous step wrote, so the cost follows the record's size, not the model's.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -41,6 +42,19 @@ def apply_record(record, params: list, optimizer, *, path: str = "<record>") -> 
                 decompress_into(grad, p.grad)
         optimizer.step()
     capture.apply_hyperparameters(optimizer.param_groups, objects["groups_after"])
+
+
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def replay_workers() -> int:
+    """Threads that decode records ahead of the apply (recovery.replay's default; the controller's
+    replay estimate assumes it): the machine's cores but the one the applying thread uses, 1 to 8
+    (beyond that the apply is the bound). On 2 cores a second decoder measured slower than one
+    (bench_recovery, TopK and Dense): it takes the CPU and memory bandwidth the optimizer needs."""
+    return max(1, min(8, machine_cores() - 1))
 
 
 def _check_count(record, params: list, path: str) -> None:

@@ -37,6 +37,7 @@ import time
 import warnings
 from typing import Any
 
+from .apply import replay_workers
 from .controlstate import CONTROLLER_NAME, UnusableState, read_state, write_state
 from .costmodel import Costs, Evaluation, Limits, evaluate, replay_estimate, solve
 from .records import decode_record
@@ -95,13 +96,6 @@ def process_age_s() -> float | None:
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_s)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-
-
-def _replay_workers() -> int:
-    # recovery.replay.default_workers (lowdiff does not import recovery): the machine's cores but
-    # the applying thread's, 1..8.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores - 1))
 
 
 class _Window:
@@ -503,7 +497,7 @@ class Controller:
             # Copying a record into the gradients is not timed in training (the training thread's
             # recording time holds TopK's selection, which replay does not redo): left out.
             replay_s = replay_estimate(v["optimizer_step_s"], 0.0, diff_bytes_per_step / bandwidth,
-                                       v["decode_s"] or 0.0, _replay_workers())
+                                       v["decode_s"] or 0.0, replay_workers())
         load_s = v["load_s"] if v["load_s"] is not None else v["full_bytes"] / bandwidth
         if replay_fit is not None:
             load_s += replay_fixed_s                  # a resume's replay costs this even for one record

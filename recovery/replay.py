@@ -17,12 +17,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import os
 import threading
 import time
 
 import fastio
-from lowdiff.apply import GradientBuffers
+from lowdiff.apply import GradientBuffers, machine_cores, replay_workers
 from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError
 
@@ -48,17 +47,9 @@ class ReplayTimes:
             self.decode_s += decode_s
 
 
-def machine_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def default_workers() -> int:
-    """Decoding threads of a replay: the machine's cores but the one the applying thread uses (at
-    least 1, at most 8: beyond that the apply is the bound). On 2 cores a second decoder measured
-    slower than one (bench_recovery, TopK and Dense): it takes the CPU and memory bandwidth that the
-    optimizer's steps need."""
-    return max(1, min(8, machine_cores() - 1))
+    """Decoding threads of a replay when none are given (lowdiff.apply.replay_workers)."""
+    return replay_workers()
 
 
 def verify_workers() -> int:
