@@ -99,25 +99,21 @@ class BatchReader:
         self._reader.read_into(offset, data)
         return data
 
-    def aligned_span(self, position: int) -> tuple[int, int, int]:
-        """(start, nbytes, lead): the page-aligned range of the file that holds the record at
-        ``position`` (its end clipped to the file's) and where the record begins in it. Read into
-        page-aligned memory (``read_span_into``), that range goes through O_DIRECT; the record's
-        own range, at any offset, would go through the page cache."""
+    def read_for_replay(self, position: int, memory) -> tuple:
+        """(bytes, buffer) of the record at ``position``, unverified, for ``decode_record(...,
+        owned=True)``: read whole into a page-aligned buffer from ``memory`` (``take(nbytes)`` ->
+        fastio.AlignedBuffer), which the caller gives back once the record is done with. The
+        page-aligned span of the file that holds the record is read, so it goes through O_DIRECT;
+        the record's own range, at any offset, would go through the page cache."""
         step, offset, nbytes = self.entries[position]
         if offset + nbytes > self._reader.size:
             raise CorruptCheckpointError(self.path, f"record of step {step} at offset {offset} runs past the end "
                                                     f"of the file")
         start = offset - offset % fastio.ALIGN_BYTES
         end = min(-(-(offset + nbytes) // fastio.ALIGN_BYTES) * fastio.ALIGN_BYTES, self._reader.size)
-        return start, end - start, offset - start
-
-    def read_span_into(self, start: int, out) -> None:
-        """Fill the writable buffer ``out`` with the file's bytes from ``start`` (unverified)."""
-        self._reader.read_into(start, out)
-
-    def record_nbytes(self, position: int) -> int:
-        return self.entries[position][2]
+        buffer = memory.take(end - start)
+        self._reader.read_into(start, buffer.view(0, end - start))
+        return buffer.view(offset - start, offset - start + nbytes), buffer
 
     def decode_record(self, position: int, data, *, owned: bool = False):
         """Verify and decode ``data``, the bytes of the record at ``position`` (``owned``: handed

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import zstandard
 
+import fastio
+
 from . import tree
 from .compress import Compressed
 from .errors import CorruptCheckpointError
@@ -268,7 +270,7 @@ def _value_region(view: memoryview, start: int, nbytes: int, owned: bool) -> tor
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     if owned and not view.readonly:
-        address = torch.frombuffer(view, dtype=torch.uint8).data_ptr() + start
+        address = fastio.buffer_address(view) + start
         shift = address % 8
         if shift <= start - RECORD_HEADER.size:   # the packed part before the values is that long
             if shift:

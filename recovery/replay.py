@@ -22,7 +22,6 @@ import time
 
 import fastio
 from lowdiff.apply import GradientBuffers, machine_cores, replay_workers
-from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError
 
 from .progress import Progress
@@ -92,7 +91,9 @@ class _RecordMemory:
     (through O_DIRECT: its page-aligned span), decoded into views of it, and the buffer comes back
     once the step after it is applied. A dense record is the size of the model: new memory for each
     one would be faulted in and unmapped beside the optimizer's step, which then runs several
-    times slower on a small machine; so would the page cache that unaligned reads go through."""
+    times slower on a small machine; so would the page cache that unaligned reads go through.
+    (Not fastio's process-wide StagingPool: it keeps buffers of one exact size, at most 512 MiB in
+    all, for Writers; records vary in size, and one dense record is the size of the model.)"""
 
     def __init__(self):
         self._free: list = []
@@ -115,22 +116,9 @@ def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, m
     """Read, verify and decode one record into per-buffer updates (a worker thread). Returns them
     with the read buffer they are views of (None: the reader's own bytes, e.g. joined shares)."""
     started = time.perf_counter()
-    buffer = None
-    if isinstance(reader, BatchReader):
-        start, nbytes, lead = reader.aligned_span(position)
-        buffer = memory.take(nbytes)
-        try:
-            reader.read_span_into(start, buffer.view(0, nbytes))
-        except BaseException:
-            memory.give(buffer)
-            raise
-        data = buffer.view(lead, lead + reader.record_nbytes(position))
-    else:
-        data = reader.read_record_bytes(position)
+    data, buffer = reader.read_for_replay(position, memory)
     read = time.perf_counter()
-    record = reader.decode_record(position, data, owned=True) if buffer is not None else \
-        reader.decode_record(position, data)
-    prepared = buffers.prepare(record)
+    prepared = buffers.prepare(reader.decode_record(position, data, owned=buffer is not None))
     times.add(read - started, time.perf_counter() - read)
     return prepared, buffer
 

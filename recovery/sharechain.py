@@ -53,7 +53,7 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
 
 class MergedShares:
     """Looks like an open ``BatchReader`` to ``recovery.replay`` (``path``, ``index_error``,
-    ``entries``, ``steps``, ``read_record_bytes``, ``decode_record``)."""
+    ``entries``, ``steps``, ``read_for_replay``, ``decode_record``)."""
 
     def __init__(self, root: str, shares: list, base_step: int, param_count: int, own: int | None, warn):
         self.path = root
@@ -94,8 +94,13 @@ class MergedShares:
         step = self.steps[position]
         return [records[step] for records in self._records]
 
-    def decode_record(self, position: int, data: list) -> StepRecord:
-        """Verify every share's record of the step and join them (see the module doc)."""
+    def read_for_replay(self, position: int, memory) -> tuple:
+        """As BatchReader's: the shares' records are in memory already (no buffer of ``memory``)."""
+        return self.read_record_bytes(position), None
+
+    def decode_record(self, position: int, data: list, *, owned: bool = False) -> StepRecord:
+        """Verify every share's record of the step and join them (see the module doc). The shares'
+        bytes are not handed over (``owned`` is not used): their values are copied out."""
         step = self.steps[position]
         records = [decode_record(view, name, offset, expected_step=step) for name, offset, view in data]
         assert self._owner is not None  # steps is empty otherwise
