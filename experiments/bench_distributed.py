@@ -262,27 +262,35 @@ class _TrainingThreadShare:
     registered before and after it, which run in registration order)."""
 
     def __init__(self, model, inner):
-        self.seconds = 0.0
-        self._mark = 0.0
-        inner.register_step_pre_hook(lambda *_: self._start())
-        inner.register_step_post_hook(lambda *_: self._stop(outside=True))
-        model.register_forward_pre_hook(lambda *_: self._start())
+        self.step_s = self.inner_step_s = self.lowdiff_hook_s = 0.0
+        self._inner_started = self._hook_started = 0.0
+        inner.register_step_pre_hook(self._inner_starts)
+        inner.register_step_post_hook(self._inner_ends)
+        model.register_forward_pre_hook(self._hook_starts)
 
     def after_wrap(self, model) -> None:
-        model.register_forward_pre_hook(lambda *_: self._stop(outside=False))
+        model.register_forward_pre_hook(self._hook_ends)
 
-    def _start(self) -> None:
-        self._mark = time.thread_time()
-
-    def _stop(self, outside: bool) -> None:
-        # outside: the time between the marks is the inner step (not lowdiff's); else lowdiff's hook
-        elapsed = time.thread_time() - self._mark
-        self.seconds += -elapsed if outside else elapsed
+    @property
+    def seconds(self) -> float:
+        return self.step_s - self.inner_step_s + self.lowdiff_hook_s
 
     def around_step(self, opt) -> None:
         started = time.thread_time()
         opt.step()
-        self.seconds += time.thread_time() - started
+        self.step_s += time.thread_time() - started
+
+    def _inner_starts(self, *_) -> None:
+        self._inner_started = time.thread_time()
+
+    def _inner_ends(self, *_) -> None:
+        self.inner_step_s += time.thread_time() - self._inner_started
+
+    def _hook_starts(self, *_) -> None:
+        self._hook_started = time.thread_time()
+
+    def _hook_ends(self, *_) -> None:
+        self.lowdiff_hook_s += time.thread_time() - self._hook_started
 
 
 def _train_rank(rank, world, port, directory, steps, width, batch, mode, out):
