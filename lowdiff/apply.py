@@ -52,8 +52,9 @@ def machine_cores() -> int:
 def replay_workers() -> int:
     """Threads that decode records ahead of the apply (recovery.replay's default; the controller's
     replay estimate assumes it): the machine's cores but the one the applying thread uses, 1 to 8
-    (beyond that the apply is the bound). On 2 cores a second decoder measured slower than one
-    (bench_recovery, TopK and Dense): it takes the CPU and memory bandwidth the optimizer needs."""
+    (beyond that the apply is the bound): a decoder on the applying thread's core takes the CPU and
+    memory bandwidth the optimizer's steps need. On 2 cores (bench_recovery, TopK and Dense) two
+    decoders were never faster than one, within that machine's noise of about 20%."""
     return max(1, min(8, machine_cores() - 1))
 
 
