@@ -32,6 +32,8 @@ import warnings
 import numpy as np
 import torch
 
+from .capture import python_internal
+
 _SHOWN_STEPS = 4
 
 
@@ -72,6 +74,8 @@ class BetweenStepsWatch:
             return
         self._note("rng", rng_sources(boundary["rng"]), changed_rng_sources(boundary["rng"]))
         captured = boundary["buffers"]
+        if not captured:
+            return   # no buffers: no walk over the modules at every step
         live = {name: buf for name, buf in self._model.named_buffers() if name in captured}
         changed = {name for name, value in captured.items()
                    if name not in live or not _same(live[name], value)}
@@ -106,7 +110,7 @@ def changed_rng_sources(rng: dict) -> set[str]:
     changed = set()
     if not torch.equal(torch.get_rng_state(), rng["torch"]):
         changed.add("torch")
-    if random.getstate()[1] != tuple(rng["python"][1]):
+    if random.getstate()[1] != python_internal(rng["python"][1]):
         changed.add("python random")
     _, keys, pos, _, _ = np.random.get_state(legacy=True)
     _, captured_keys, captured_pos, _, _ = rng["numpy"]

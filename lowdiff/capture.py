@@ -15,8 +15,10 @@ def capture_rng() -> dict:
     # numpy types it as dict | tuple; the global generator is MT19937, whose legacy state is the tuple.
     assert isinstance(legacy, tuple), "numpy's global generator is not MT19937"
     name, keys, pos, has_gauss, gauss = legacy
+    version, internal, python_gauss = random.getstate()
     state = {
-        "python": random.getstate(),
+        # Its 625 ints as a tensor: raw bytes in a record, not 625 JSON numbers to encode each step.
+        "python": (version, torch.from_numpy(np.fromiter(internal, np.int64, len(internal))), python_gauss),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
     }
@@ -36,9 +38,15 @@ def restore_rng(state: dict) -> None:
 
 
 def _as_python_state(state):
-    # random.setstate needs tuples; a round trip through storage may yield lists.
+    """``random.setstate``'s argument from a captured state: its internal state as a tensor, or
+    (files written before that) as a list or tuple of ints."""
     version, internal, gauss = state
-    return version, tuple(internal), gauss
+    return version, python_internal(internal), gauss
+
+
+def python_internal(internal) -> tuple:
+    """The 625 ints of Python's generator state as the tuple ``random.getstate()`` holds."""
+    return tuple(internal.tolist() if isinstance(internal, torch.Tensor) else internal)
 
 
 def hyperparameters(param_groups) -> list:
@@ -85,6 +93,8 @@ def persistent_buffer_names(model: torch.nn.Module) -> set:
 
 def module_buffers(model: torch.nn.Module, names: set) -> dict:
     """Copies of the buffers ``names`` of ``model`` (BatchNorm statistics and the like)."""
+    if not names:
+        return {}   # no walk over the modules every step for a model without buffers
     return {name: buf.detach().clone() for name, buf in model.named_buffers() if name in names}
 
 
