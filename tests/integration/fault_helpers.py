@@ -73,6 +73,14 @@ class Result:
     stderr: str
     digests: dict
 
+    def final_digest(self, step: int) -> str | None:
+        """The digest of the state at ``step``: trained to by this process, or resumed at it (a run
+        that resumes at its last step trains nothing, e.g. when the crashed run's fault never came)."""
+        if step in self.digests:
+            return self.digests[step]
+        resumed = self.resumed
+        return resumed[1] if resumed is not None and resumed[0] == step else None
+
     @property
     def resumed(self) -> tuple[int, str] | None:
         """(step, digest) of the "resumed at step S DIGEST" line; None if there is none."""

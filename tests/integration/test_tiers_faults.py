@@ -93,7 +93,7 @@ def trial(name, tmp_path, rng, reference, drop_local: bool):
     finished = yield TieredTrainer(str(local), str(tmp_path), f"{name}-finish", STEPS, FULL_EVERY, BATCH_STEPS,
                                    shared=str(shared))
     assert finished.returncode == 0, f"{where}: the restarted trainer failed: {finished.tail()}"
-    assert finished.digests[STEPS] == reference[STEPS], f"{where}: the run did not end in the reference state"
+    assert finished.final_digest(STEPS) == reference[STEPS], f"{where}: the run did not end in the reference state"
     return crashed.returncode == -9
 
 
