@@ -234,24 +234,34 @@ def _exchange_chains(root: str, fset: FullSet, rank: int, world: int) -> list:
             for name in names:
                 path = os.path.join(rank_directory(root, i), name)
                 try:
-                    with open(path, "rb") as f:
-                        files.append((path, f.read()))
+                    files.append((path, _read_whole(path)))
                 except OSError as exc:
                     warn(f"lowdiff: {path} cannot be read ({exc}); the chain of share {i} ends before it")
                     break
         if world > 1:
-            sizes = [[(path, len(data)) for path, data in files]]
+            sizes = [[(path, data.numel()) for path, data in files]]
             dist.broadcast_object_list(sizes, src=reader_rank)
-            received: list = []
-            for path, nbytes in sizes[0]:
-                data = torch.frombuffer(bytearray(files[len(received)][1]), dtype=torch.uint8) \
-                    if reader_rank == rank else torch.empty(nbytes, dtype=torch.uint8)
-                if nbytes:
-                    dist.broadcast(data, src=reader_rank)
-                received.append((path, data.numpy().tobytes() if nbytes else b""))
-            files = received
-        shares.append(ShareFiles(i, tuple(files)))
+            if reader_rank != rank:
+                files = [(path, torch.empty(nbytes, dtype=torch.uint8)) for path, nbytes in sizes[0]]
+            for _, data in files:
+                if data.numel():
+                    dist.broadcast(data, src=reader_rank)   # received in place: the only copy of the file
+        shares.append(ShareFiles(i, tuple((path, data.numpy()) for path, data in files)))
     return shares
+
+
+def _read_whole(path: str) -> torch.Tensor:
+    """The file's bytes in one uint8 tensor: read into it (no intermediate bytes object), sent over
+    the process group from it, and decoded from it (replay decodes each record's values as views)."""
+    with open(path, "rb", buffering=0) as f:
+        data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        view, got = memoryview(data.numpy()), 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path} ended after {got} of {len(view)} bytes while being read")
+            got += n
+    return data
 
 
 def _full_index(share) -> FullIndex:

@@ -99,10 +99,12 @@ class MergedShares:
         return self.read_record_bytes(position), None
 
     def decode_record(self, position: int, data: list, *, owned: bool = False) -> StepRecord:
-        """Verify every share's record of the step and join them (see the module doc). The shares'
-        bytes are not handed over (``owned`` is not used): their values are copied out."""
+        """Verify every share's record of the step and join them (see the module doc). The values
+        are views of the shares' bytes (``owned`` is not needed): the files' memory is this chain's
+        own (recovery.distributed reads or receives it for the replay) and replay decodes each
+        step once, so each record's bytes are handed over to its decoding for good."""
         step = self.steps[position]
-        records = [decode_record(view, name, offset, expected_step=step) for name, offset, view in data]
+        records = [decode_record(view, name, offset, expected_step=step, owned=True) for name, offset, view in data]
         assert self._owner is not None  # steps is empty otherwise
         first = records[0]
         if any(r.skipped != first.skipped for r in records):
