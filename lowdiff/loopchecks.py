@@ -127,9 +127,12 @@ def calling_grad_scaler(depth: int = 4):
     for _ in range(depth):
         if frame is None:
             return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, torch.amp.GradScaler):
-            return candidate
+        # Only a method's frame can be GradScaler's; f_locals of others (the training loop's,
+        # with all its variables) would be built into a dict at every step for nothing.
+        if "self" in frame.f_code.co_varnames:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.amp.GradScaler):
+                return candidate
         frame = frame.f_back
     return None
 
