@@ -99,6 +99,11 @@ class BatchReader:
         self._reader.read_into(offset, data)
         return data
 
+    def prepare_read(self, position: int) -> None:
+        """Replay calls this in step order before ``read_for_replay(position)`` runs in a worker
+        (readers whose bytes arrive in order, e.g. recovery.sharechain's, fetch them here); a
+        batch file reads each record in the worker, so there is nothing to do."""
+
     def read_for_replay(self, position: int, memory) -> tuple:
         """(bytes, buffer) of the record at ``position``, unverified, for ``decode_record(...,
         owned=True)``: read whole into a page-aligned buffer from ``memory`` (``take(nbytes)`` ->

@@ -20,15 +20,19 @@ import torch.distributed as dist
 
 import fastio
 from lowdiff import tree
-from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, VersionMismatchError
 from lowdiff.format import PAGE, FullIndex, FullState
 from lowdiff.partition import describe_ranges, full_sets, rank_directory, read_views, retained_ranges, session_chain
 from lowdiff.records import dtype_from_name
-from lowdiff.sharefile import read_full_share_index, read_own, read_share_bytes_into
+from lowdiff.sharefile import read_diff_share_index, read_full_share_index, read_own, read_share_bytes_into
 
 from .replay import ReplayTimes, replay
 from .restore import Restored, warn
 from .sharechain import MergedShares, ShareFiles
+
+# Records in flight in a partitioned replay. The same on every rank whatever its cores: the files
+# behind them are fetched collectively, so every rank must fetch as many before the replay stops.
+REPLAY_WINDOW = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +228,9 @@ def _load_set(fset: FullSet, rank: int, world: int) -> _Loaded | None:
         return None
 
 
-def _exchange_chains(root: str, fset: FullSet, rank: int, world: int) -> list:
-    """[ShareFiles] of every share: rank ``i mod world`` reads share i's files and sends them."""
+def _exchange_indexes(root: str, fset: FullSet, rank: int, world: int) -> list:
+    """[ShareFiles] of every share, with its files' indexes (rank ``i mod world`` reads share i's
+    and sends them; a file whose index cannot be read ends that share's list, with the reason)."""
     shares = []
     for i, names in enumerate(fset.chains):
         reader_rank = i % world
@@ -234,20 +239,48 @@ def _exchange_chains(root: str, fset: FullSet, rank: int, world: int) -> list:
             for name in names:
                 path = os.path.join(rank_directory(root, i), name)
                 try:
-                    files.append((path, _read_whole(path)))
+                    files.append((path, read_diff_share_index(path)))
+                except VersionMismatchError as exc:   # not damage: raised on every rank below
+                    files.append((path, ("version", exc.problem)))
+                    break
+                except CorruptCheckpointError as exc:
+                    files.append((path, str(exc)))
+                    break
                 except OSError as exc:
-                    warn(f"lowdiff: {path} cannot be read ({exc}); the chain of share {i} ends before it")
+                    files.append((path, f"{path} cannot be read ({exc})"))
                     break
         if world > 1:
-            sizes = [[(path, data.numel()) for path, data in files]]
-            dist.broadcast_object_list(sizes, src=reader_rank)
-            if reader_rank != rank:
-                files = [(path, torch.empty(nbytes, dtype=torch.uint8)) for path, nbytes in sizes[0]]
-            for _, data in files:
-                if data.numel():
-                    dist.broadcast(data, src=reader_rank)   # received in place: the only copy of the file
-        shares.append(ShareFiles(i, tuple((path, data.numpy()) for path, data in files)))
+            sent = [files]
+            dist.broadcast_object_list(sent, src=reader_rank)
+            files = sent[0]
+        for path, index in files:
+            if isinstance(index, tuple):
+                raise VersionMismatchError(path, index[1])
+        shares.append(ShareFiles(i, tuple(files)))
     return shares
+
+
+def _fetcher(shares: list, rank: int, world: int):
+    """sharechain's ``fetch``: rank ``share mod world`` reads the file and sends it to the others
+    (a collective: every rank calls it for the same files in the same order)."""
+    def fetch(share: int, position: int):
+        path = shares[share].files[position][0]
+        reader_rank = share % world
+        data = None
+        if reader_rank == rank:
+            try:
+                data = _read_whole(path)
+            except OSError as exc:
+                warn(f"lowdiff: {path} cannot be read ({exc}); the chain of share {share} ends before it")
+        if world > 1:
+            size = [-1 if data is None else data.numel()]
+            dist.broadcast_object_list(size, src=reader_rank)
+            if reader_rank != rank and size[0] >= 0:
+                data = torch.empty(size[0], dtype=torch.uint8)
+            if data is not None and data.numel():
+                dist.broadcast(data, src=reader_rank)   # received in place: the only copy of the file
+        return None if data is None else data.numpy()
+    return fetch
 
 
 def _read_whole(path: str) -> torch.Tensor:
@@ -284,16 +317,16 @@ def _note_world_change(fset: FullSet, rank: int, world: int) -> None:
 def _replay_chain(root: str, fset: FullSet, index: FullIndex, rank: int, world: int, *, params, optimizer,
                   stop_step, workers, times):
     """Exchange and replay the differential shares continuing ``fset``: (last step, its record)."""
-    shares = _exchange_chains(root, fset, rank, world)
+    shares = _exchange_indexes(root, fset, rank, world)
     try:
         merged = MergedShares(root, shares, fset.step, len(index.param_names),
-                              rank if rank < fset.count else None, warn)
+                              rank if rank < fset.count else None, warn, _fetcher(shares, rank, world))
     except CorruptCheckpointError as exc:   # every rank decodes the same bytes: all stop here
         warn(f"lowdiff: {exc}; resuming at step {fset.step}, the full checkpoint's step")
         return fset.step, None
     try:
         return replay([(merged.entry(), merged)], fset.step, params, optimizer, stop_step=stop_step, warn=warn,
-                      times=times, workers=workers)
+                      times=times, workers=workers, window=REPLAY_WINDOW)
     finally:
         merged.close()
 

@@ -78,6 +78,7 @@ def _tasks(chain: list, first_step: int, stop_step: int | None, warn):
             if step != expected:
                 yield CorruptCheckpointError(reader.path, f"holds step {step} where step {expected} was expected")
                 return
+            reader.prepare_read(position)   # here, in step order, on the thread that drives the replay
             yield reader, position
             expected += 1
         if reader.steps and reader.steps[-1] < entry.last and (stop_step is None or reader.steps[-1] < stop_step):

@@ -113,7 +113,7 @@ class Trainer:
     compressor: str = "topk"
     fault: str | None = None
 
-    def start(self) -> "Running":
+    def start(self) -> Running:
         paths = {k: os.path.join(self.workdir, f"{self.name}.{k}") for k in ("out", "err", "digests")}
         out, err = open(paths["out"], "w"), open(paths["err"], "w")
         args = [sys.executable, "-m", "lowdiff.demo", "train", str(self.directory), "--steps", str(self.steps),
