@@ -203,7 +203,6 @@ class Drainer:
 
     # ------------------------------------------------------------ drainer thread
     def _run(self) -> None:
-        self.stats["nice"] = lower_this_threads_priority()
         while True:
             entry = self._next()
             if entry is None:
@@ -272,23 +271,6 @@ class Drainer:
             # of an abandoned timeline may end past the newest local step, hence the bound.
             self._handled_step = max(self._handled_step, min(entry_end(entry), self._local_step))
             self._cond.notify_all()
-
-
-def lower_this_threads_priority(niceness: int = 19) -> int | None:
-    """Make the calling thread the kernel's last choice for a busy core (Linux: nice is per thread)
-    and return its niceness now (None where that is not possible). The drainer has slack of
-    ``max_lag_steps`` steps: when it competes with the training thread or its writers for a core,
-    they should win. Nice, not SCHED_IDLE: a thread at nice 19 still gets a small share of a busy
-    core, so it is never starved while holding the GIL the training thread waits for; and when
-    training waits for the drainer (backpressure), the core is free and it runs at full speed."""
-    if not hasattr(os, "setpriority"):
-        return None
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, niceness)
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except OSError:
-        return None
 
 
 def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None,

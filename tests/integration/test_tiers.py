@@ -309,29 +309,3 @@ def test_a_dead_writers_tiers_marker_temporary_is_removed_at_open(tmp_path):
     run_to(local, Tiers(str(tmp_path / "shared")), 2)
     assert not stray.exists() and live.exists()
     assert (local / "TIERS.json").exists()
-
-
-def _thread_niceness(name: str) -> tuple[int, int]:
-    """(this thread's niceness, the niceness of the live thread called ``name``), from /proc."""
-    def nice_of(tid):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[16])   # field 19, after the command name
-    tid = next(t.native_id for t in threading.enumerate() if t.name == name)
-    return nice_of(threading.get_native_id()), nice_of(tid)
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is read from Linux's /proc")
-def test_the_drainer_runs_at_the_lowest_cpu_priority_and_training_keeps_its_own(tmp_path):
-    """The drainer has slack (max_lag_steps): on a busy core the kernel should run training first.
-    Only the drainer thread is lowered, not the process."""
-    model, opt, sched, sampler = wrapped(tmp_path / "local", Tiers(str(tmp_path / "shared")))
-    try:
-        forward_backward(model, sampler)
-        opt.step()
-        opt.zero_grad()
-        mine_before = os.getpriority(os.PRIO_PROCESS, 0)
-        training, drainer = _thread_niceness("lowdiff-drainer")
-        assert drainer == 19 and training == mine_before < 19
-        assert opt.stats()["tiers"]["nice"] == 19
-    finally:
-        opt.close()
