@@ -4,7 +4,8 @@ Under DDP the gradient the optimizer consumes is the comm hook's aggregate, and 
 records its nonzero elements. A value test (``tensor.nonzero()``) would drop -0.0, which the
 replay would then give back as +0.0; testing the bits keeps every element whose bytes differ from
 a zero fill, so the replayed gradient has the same bytes. On CPU one pass of lowdiff._nonzero
-(blocks of zeros skipped 32 bytes at a time, no GIL) replaces torch's count, fill and gather: it
+(branch-free with AVX2 for 4-byte elements, else blocks of zeros skipped 32 bytes at a time;
+no GIL) replaces torch's count, fill and gather: it
 runs on the training thread every step, where torch's three passes cost several times more.
 """
 from __future__ import annotations

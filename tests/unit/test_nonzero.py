@@ -83,3 +83,28 @@ def test_aggregated_record_replays_to_the_same_bytes():
         replayed = torch.full_like(grad, 3.0)
         decompress_into(record, replayed)
         assert torch.equal(replayed.view(torch.int32), grad.view(torch.int32))
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 7, 8, 9, 15, 16, 17, 100, 1000])
+@pytest.mark.parametrize("itemsize_dtype", [torch.int32, torch.int64, torch.int16])
+def test_the_scan_stores_the_first_capacity_and_never_writes_past_it(capacity, itemsize_dtype):
+    """The 4-byte scan stores 8 lanes at a time (AVX2 where the CPU has it): it must still store
+    exactly the first ``capacity`` elements and nothing beyond them, and count them all."""
+    from lowdiff._nonzero import nonzero_into
+    g = torch.Generator().manual_seed(capacity)
+    flat = torch.zeros(1003, dtype=itemsize_dtype)
+    picked = torch.randperm(1003, generator=g)[:300]
+    flat[picked] = torch.randint(1, 1000, (300,), generator=g, dtype=itemsize_dtype)
+    flat[0] = 0
+    flat[1002] = 5                                  # in the tail after the last whole block of 8
+    want_indices, want_values = bits_reference(flat)
+    guard = 24
+    positions = torch.full((capacity + guard,), -7, dtype=torch.int32)
+    values = torch.full((capacity + guard,), -7, dtype=itemsize_dtype)
+    found = nonzero_into(flat.data_ptr(), flat.numel(), flat.element_size(), positions.data_ptr(),
+                         values.data_ptr(), capacity)
+    assert found == want_indices.numel()
+    stored = min(capacity, found)
+    assert torch.equal(positions[:stored], want_indices[:stored])
+    assert torch.equal(values[:stored], want_values[:stored])
+    assert (positions[capacity:] == -7).all() and (values[capacity:] == -7).all(), "written past capacity"
