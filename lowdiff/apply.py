@@ -9,7 +9,8 @@ scheduler stepped.
 of one flat buffer per (dtype, device), set once; a worker thread turns each record into one index
 and one value tensor per buffer (``prepare``), and the applying thread writes them with one or two
 tensor ops per buffer instead of several per parameter. A sparse step clears only the positions the
-previous step wrote, so the cost follows the record's size, not the model's.
+previous step wrote, so the cost follows the record's size, not the model's; a step whose gradients
+are all dense lends the record's values to the parameters as their gradients, without a copy.
 """
 from __future__ import annotations
 
@@ -154,6 +155,8 @@ class GradientBuffers:
             slots.append(_Slot(index, sizes[index], p.numel()))
             sizes[index] += p.numel()
         self.slots = tuple(slots)
+        self._slots_of = [[(position, slot) for position, slot in enumerate(slots) if slot.buffer == index]
+                          for index in range(len(sizes))]
         self.layout = tuple((dtype, device, n) for (dtype, device), n in zip(keys, sizes))
         self.dtypes = tuple(dtype for dtype, _, _ in self.layout)
         self.buffers: list[_FlatBuffer] = []   # allocated by attach(): a replay of nothing costs nothing
@@ -215,13 +218,27 @@ class GradientBuffers:
             capture.apply_hyperparameters(optimizer.param_groups, objects["groups_used"])
             self._set_missing(prepared.none)
             with torch.no_grad():
-                for buffer, update in zip(self.buffers, prepared.updates):
-                    buffer.write(update)
+                for index, (buffer, update) in enumerate(zip(self.buffers, prepared.updates)):
+                    if update.indices is None:
+                        self._lend(index, update.values.to(buffer.flat.device, non_blocking=True))
+                    else:
+                        buffer.write(update)
             optimizer.step()
             for buffer in self.buffers:
                 buffer.check_untouched()
             self._reattach()
         capture.apply_hyperparameters(optimizer.param_groups, objects["groups_after"])
+
+    def _lend(self, index: int, values: torch.Tensor) -> None:
+        """A step that writes all of buffer ``index`` (every parameter of it dense): its
+        parameters' ``.grad`` become views of ``values`` for this step, not a copy of them in the
+        buffer. A dense record is the size of the model; its values already lie in memory the
+        replay holds until the step after this one (recovery.replay), and copying them would cost
+        a pass over that much memory beside the optimizer's. The buffer keeps what it held (its
+        ``dirty`` positions stay true for the next sparse step); ``_reattach`` gives the
+        parameters their views of it back after the step."""
+        for position, slot in self._slots_of[index]:
+            self.params[position].grad = values[slot.offset:slot.offset + slot.numel].view(self.params[position].shape)
 
     def _set_missing(self, none: tuple) -> None:
         """Parameters without a gradient this step get ``grad = None`` (the optimizer skips them);

@@ -416,3 +416,36 @@ def test_record_header_layout_is_pinned():
     (raw_bytes,) = struct.unpack_from("<Q", header, 20)
     assert raw_bytes == 8
     assert np.frombuffer(encoded(record)[-8:], dtype=np.float32).tolist() == [1.0, 2.0]
+
+
+def test_a_dense_step_is_applied_from_the_records_values_without_a_copy():
+    """The optimizer steps on views of the record's values (a dense record is the size of the
+    model: no copy of it into the gradient buffers); afterwards the parameters have their buffer
+    views back, and a later sparse step still writes exactly its gradient."""
+    from lowdiff.apply import GradientBuffers
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, twin_opt = torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+    groups = [{k: v for k, v in opt.param_groups[0].items() if k != "params"}]
+    dense = [Compressed("dense", p.numel(), torch.randn(p.numel())) for p in params]
+    sparse = [Compressed("sparse", 15, torch.tensor([2.0, -1.0]), torch.tensor([3, 9], dtype=torch.int32)),
+              Compressed("sparse", 7, torch.tensor([0.5]), torch.tensor([6], dtype=torch.int32))]
+    buffers = GradientBuffers(params)
+    seen = []
+    opt.register_step_pre_hook(lambda *_: seen.append([p.grad.data_ptr() for p in params]))
+    for step, grads in enumerate([dense, sparse, dense, sparse]):
+        objects = {"groups_used": groups, "groups_after": groups}
+        data = bytearray(encoded(StepRecord(step, False, grads, objects)))
+        record = decode_record(memoryview(data), "mem", 0, expected_step=step, owned=True)
+        buffers.apply(buffers.prepare(record), opt)
+        for twin, g in zip(twins, grads):
+            flat = torch.zeros(twin.numel())
+            decompress_into(g, flat)
+            twin.grad = flat.view(twin.shape)
+        twin_opt.step()
+        assert all(torch.equal(p, t) for p, t in zip(params, twins)), f"step {step} differs"
+        start = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        lent = [start <= ptr < start + len(data) for ptr in seen[-1]]
+        assert lent == [grads is dense] * 2, f"step {step}: gradients in the record's memory: {lent}"
+        assert all(p.grad is view for p, view in zip(params, buffers.views))
