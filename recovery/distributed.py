@@ -288,7 +288,7 @@ def _read_whole(path: str) -> torch.Tensor:
     the process group from it, and decoded from it (replay decodes each record's values as views)."""
     with open(path, "rb", buffering=0) as f:
         data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-        view, got = memoryview(data.numpy()), 0
+        view, got = data.numpy().data, 0   # a writable memoryview of the tensor
         while got < len(view):
             n = f.readinto(view[got:])
             if not n:
