@@ -119,7 +119,8 @@ def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, m
     started = time.perf_counter()
     data, buffer = reader.read_for_replay(position, memory)
     read = time.perf_counter()
-    prepared = buffers.prepare(reader.decode_record(position, data, owned=buffer is not None))
+    # Every reader hands over what read_for_replay returns: the values may be decoded as views of it.
+    prepared = buffers.prepare(reader.decode_record(position, data, owned=True))
     times.add(read - started, time.perf_counter() - read)
     return prepared, buffer
 

@@ -129,12 +129,11 @@ class MergedShares:
         return views, None
 
     def decode_record(self, position: int, data: list, *, owned: bool = False) -> StepRecord:
-        """Verify every share's record of the step and join them (see the module doc). The values
-        are views of the shares' bytes (``owned`` is not needed): the files' memory is this chain's
-        own (fetched for the replay) and replay decodes each step once, so each record's bytes are
-        handed over to its decoding for good."""
+        """Verify every share's record of the step and join them (see the module doc). ``owned``:
+        as BatchReader's (replay passes it: the files' memory is this chain's own, fetched for the
+        replay, and each step is decoded once, so the values may be views of it)."""
         step = self.steps[position]
-        records = [decode_record(view, name, offset, expected_step=step, owned=True) for name, offset, view in data]
+        records = [decode_record(view, name, offset, expected_step=step, owned=owned) for name, offset, view in data]
         assert self._owner is not None  # steps is empty otherwise
         first = records[0]
         if any(r.skipped != first.skipped for r in records):
