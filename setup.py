@@ -20,7 +20,7 @@ extensions = [
     ),
     Extension(
         "fastio._memops",
-        sources=["fastio/_memops.pyx", "fastio/crc32c_core.c"],
+        sources=["fastio/_memops.pyx", "fastio/crc32c_core.c", "fastio/crc32_core.c"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),

@@ -7,8 +7,7 @@
  * path checksum three adjacent blocks independently and stitch the results together.
  */
 #include "crc32c_core.h"
-
-#include <string.h>
+#include "crc_slice8.h"
 
 #define POLY 0x82F63B78u /* Castagnoli, reflected: bit 31 is the x^0 coefficient */
 
@@ -17,33 +16,9 @@ static uint32_t sw_table[8][256];
 
 static int initialized;
 
-static inline uint64_t load_le64(const unsigned char *p)
-{
-    uint64_t w;
-    memcpy(&w, p, 8); /* unaligned-safe; compiles to one load */
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    w = __builtin_bswap64(w);
-#endif
-    return w;
-}
-
 static uint32_t sw_raw(uint32_t crc, const unsigned char *p, size_t len)
 {
-    while (len && ((uintptr_t)p & 7)) { /* head: bytewise up to an 8-byte boundary */
-        crc = sw_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
-        len--;
-    }
-    for (; len >= 8; p += 8, len -= 8) {
-        /* The first byte of the word is followed by 7 more, so it takes table 7, and so on. */
-        uint64_t w = load_le64(p) ^ crc;
-        crc = sw_table[7][w & 0xff] ^ sw_table[6][(w >> 8) & 0xff] ^
-              sw_table[5][(w >> 16) & 0xff] ^ sw_table[4][(w >> 24) & 0xff] ^
-              sw_table[3][(w >> 32) & 0xff] ^ sw_table[2][(w >> 40) & 0xff] ^
-              sw_table[1][(w >> 48) & 0xff] ^ sw_table[0][w >> 56];
-    }
-    while (len--)
-        crc = sw_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
-    return crc;
+    return crc_slice8(sw_table, crc, p, len);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -77,9 +52,9 @@ static inline uint64_t hw_3way(uint64_t c0, const unsigned char **pp, size_t *pl
         uint64_t c1 = 0, c2 = 0; /* the later blocks start from 0 and are shifted in below */
         const unsigned char *end = p + len;
         do {
-            c0 = _mm_crc32_u64(c0, load_le64(p));
-            c1 = _mm_crc32_u64(c1, load_le64(p + len));
-            c2 = _mm_crc32_u64(c2, load_le64(p + 2 * len));
+            c0 = _mm_crc32_u64(c0, crc_load_le64(p));
+            c1 = _mm_crc32_u64(c1, crc_load_le64(p + len));
+            c2 = _mm_crc32_u64(c2, crc_load_le64(p + 2 * len));
             p += 8;
         } while (p < end);
         c0 = shift(table, (uint32_t)c0) ^ c1;
@@ -102,7 +77,7 @@ static uint32_t hw_raw(uint32_t crc, const unsigned char *p, size_t len)
     c = hw_3way(c, &p, &len, LONG_LEN, shift_long);
     c = hw_3way(c, &p, &len, SHORT_LEN, shift_short);
     for (; len >= 8; p += 8, len -= 8)
-        c = _mm_crc32_u64(c, load_le64(p));
+        c = _mm_crc32_u64(c, crc_load_le64(p));
     while (len--)
         c = _mm_crc32_u8((uint32_t)c, *p++);
     return (uint32_t)c;
@@ -146,15 +121,7 @@ void fastio_crc32c_init(void)
 {
     if (initialized)
         return;
-    for (uint32_t b = 0; b < 256; b++) {
-        uint32_t c = b;
-        for (int i = 0; i < 8; i++)
-            c = (c & 1) ? (c >> 1) ^ POLY : c >> 1;
-        sw_table[0][b] = c;
-    }
-    for (int k = 1; k < 8; k++)
-        for (int b = 0; b < 256; b++)
-            sw_table[k][b] = (sw_table[k - 1][b] >> 8) ^ sw_table[0][sw_table[k - 1][b] & 0xff];
+    crc_slice8_build(sw_table, POLY);
 #ifdef HAVE_SSE42_PATH
     build_shift_table(shift_long, LONG_LEN);
     build_shift_table(shift_short, SHORT_LEN);

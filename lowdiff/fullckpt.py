@@ -8,7 +8,6 @@ thread while training goes on; see the class). fastio writes the buffer without 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import torch
 
@@ -212,7 +211,7 @@ def _checksum_matches(entry: Checksummed, data) -> bool:
     """``data`` against the entry's CRC-32C (or, in files written before it, zlib's CRC-32)."""
     if entry.crc32c is not None:
         return fastio.crc32c(data) == entry.crc32c
-    return zlib.crc32(data) == entry.crc32
+    return fastio.crc32(data) == entry.crc32
 
 
 def read_full_index(path: str, *, engine=None) -> FullIndex:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import zlib
 
 import torch
 
@@ -181,7 +180,7 @@ class _Load:
                 piece = target[low - start:high - start]
                 if self.verify:
                     self.crcs[entry.key] = (fastio.crc32c(piece, self.crcs[entry.key]) if entry.crc32c is not None
-                                            else zlib.crc32(piece, self.crcs[entry.key]))
+                                            else fastio.crc32(piece, self.crcs[entry.key]))
                 fastio.copy_regions([self.placed[entry.key].data_ptr() + low - first],
                                     [fastio.buffer_address(piece)], [high - low])
             if first + entry.nbytes > end:
@@ -195,13 +194,14 @@ class _Load:
     def _check(self, entry: TensorEntry) -> None:
         if not self.verify or not entry.nbytes:
             return
+        expected = entry.crc32c if entry.crc32c is not None else entry.crc32
         if entry.key in self.placed:
-            expected = entry.crc32c if entry.crc32c is not None else entry.crc32
             good = self.crcs[entry.key] == expected
         else:
             start = entry.offset - PAYLOAD_OFFSET
             data = self.payload[start:start + entry.nbytes]
-            good = fastio.crc32c(data) == entry.crc32c if entry.crc32c is not None else zlib.crc32(data) == entry.crc32
+            checksum = fastio.crc32c if entry.crc32c is not None else fastio.crc32
+            good = checksum(data) == expected
         if not good:
             raise CorruptCheckpointError(self.path, f"tensor {entry.key!r} at offset {entry.offset} fails its checksum")
 

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import struct
 import threading
-import zlib
 
 import numpy as np
 import torch
@@ -159,9 +158,9 @@ def encode_record(record: StepRecord, compressor=None) -> list:
                       separators=(",", ":")).encode()
     packed = (compressor or _compressor()).compress(b"".join([_LEN.pack(len(meta)), meta, objects, deltas]))
     raw_bytes = sum(view.nbytes for view in raw)
-    crc = zlib.crc32(packed)
+    crc = fastio.crc32(packed)
     for view in raw:
-        crc = zlib.crc32(view, crc)
+        crc = fastio.crc32(view, crc)
     header = RECORD_HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, 0, record.step, len(packed), raw_bytes, crc)
     return [header, packed, *raw]
 
@@ -221,7 +220,7 @@ def _verified_body(view: memoryview, path: str, where: str, expected_step: int |
     if view.nbytes < end:
         raise CorruptCheckpointError(path, f"{where} is truncated ({view.nbytes} of {end} bytes)")
     body = view[RECORD_HEADER.size:end]
-    if zlib.crc32(body) != crc:
+    if fastio.crc32(body) != crc:
         raise CorruptCheckpointError(path, f"{where} (step {step}) fails its checksum")
     if expected_step is not None and step != expected_step:
         raise CorruptCheckpointError(path, f"{where} holds step {step}, expected step {expected_step}")

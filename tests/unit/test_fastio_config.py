@@ -8,7 +8,7 @@ from fastio._config import BACKEND_CHOICES
 def test_public_names_are_pinned():
     assert sorted(fastio.__all__) == sorted([
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
-        "aligned_buffer", "backend", "buffer_address", "copy_regions", "crc32c", "engine", "make_engine"])
+        "aligned_buffer", "backend", "buffer_address", "copy_regions", "crc32", "crc32c", "engine", "make_engine"])
 
 
 def test_unknown_backend_in_environment_lists_the_choices(monkeypatch):
