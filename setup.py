@@ -30,6 +30,13 @@ extensions = [
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),
+    Extension(
+        "lowdiff._deltas",
+        sources=["lowdiff/_deltas.pyx"],
+        # -O3 vectorizes its loops (gcc's -O2 keeps them scalar): a third of the time per record.
+        extra_compile_args=compile_args + ([] if "-O0" in compile_args else ["-O3"]),
+        extra_link_args=link_args,
+    ),
 ]
 
 setup(

@@ -449,3 +449,49 @@ def test_a_dense_step_is_applied_from_the_records_values_without_a_copy():
         lent = [start <= ptr < start + len(data) for ptr in seen[-1]]
         assert lent == [grads is dense] * 2, f"step {step}: gradients in the record's memory: {lent}"
         assert all(p.grad is view for p, view in zip(params, buffers.views))
+
+
+def reference_deltas(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
+    """The index deltas as the format defines them, in plain numpy: per tensor its first index,
+    then differences, as u16 when all of that tensor's fit, else u32."""
+    parts, widths, start = [], [], 0
+    for count in counts:
+        piece = np.diff(flat[start:start + count], prepend=0)
+        width = 2 if not count or piece.max() <= 0xFFFF else 4
+        parts.append(piece.astype(np.uint16 if width == 2 else np.uint32).tobytes())
+        widths.append(width)
+        start += count
+    return b"".join(parts), widths
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 2**31 - 1), st.integers(0, 300), st.integers(0, 2**32 - 1)),
+                min_size=1, max_size=6))
+def test_index_deltas_match_the_format_definition_and_decode_back(tensors):
+    """lowdiff._deltas against the format's definition: mixed widths, empty tensors, a tensor
+    whose indices start high (its first delta is its first index)."""
+    from lowdiff._deltas import decode_deltas, encode_deltas
+    flats, counts = [], []
+    for numel, count, seed in tensors:
+        picked = np.random.default_rng(seed).choice(numel, size=min(count, numel), replace=False)
+        flats.append(np.sort(picked).astype(np.int64))
+        counts.append(len(picked))
+    flat = np.concatenate(flats)
+    data, widths = encode_deltas(flat, counts)
+    assert (bytes(data), widths) == reference_deltas(flat, counts)
+    pos = 0
+    for (numel, _, _), expected, width in zip(tensors, flats, widths):
+        got = decode_deltas(bytes(data), pos, expected.size, width, numel)
+        assert got.dtype == np.int32 and got.tolist() == expected.tolist()
+        pos += width * expected.size
+
+
+@pytest.mark.parametrize("indices, numel", [([3, 3], 10), ([4, 10], 10), ([0, 0], 2)])
+def test_a_record_with_repeated_or_out_of_range_indices_is_corrupt(indices, numel):
+    """Indices the format forbids (a repeat, one at or past the tensor's size) are caught when
+    the record is decoded, even though its checksum holds."""
+    grad = Compressed("sparse", numel, torch.ones(len(indices)), torch.tensor(indices))
+    blob = encoded(StepRecord(3, False, [grad], {}))
+    with pytest.raises(CorruptCheckpointError, match="not sorted, unique and < ") as info:
+        decode_record(blob, "bad.ldd", 64)
+    assert info.value.path == "bad.ldd"

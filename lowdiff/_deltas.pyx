@@ -1,0 +1,110 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Index deltas of sparse gradients, the way step records store them (docs/format.md, "records"):
+each tensor's sorted indices as differences from the previous one (its first index as it is), 2
+bytes each when every difference of that tensor fits, else 4. One pass in C each way instead of
+numpy's diff / astype / tobytes (encode) and cumsum / min / astype (decode), several passes and
+temporaries per record on the training machine's cores."""
+import numpy as np
+
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+cdef bint _store_u16(const int64_t *p, Py_ssize_t count, uint16_t *out) noexcept nogil:
+    """Store the deltas as u16 and say whether they all fit. Each delta from its two neighbours
+    and the check an OR of what lies above 16 bits (nothing carried between iterations but the
+    OR), so the compiler vectorizes the loop."""
+    cdef uint64_t above = <uint64_t>p[0] >> 16
+    cdef Py_ssize_t i
+    out[0] = <uint16_t>p[0]   # host order, as numpy's native uint16 was: little-endian
+    for i in range(1, count):
+        above |= <uint64_t>(p[i] - p[i - 1]) >> 16
+        out[i] = <uint16_t>(p[i] - p[i - 1])
+    return above == 0
+
+
+cdef void _store_u32(const int64_t *p, Py_ssize_t count, unsigned char *out) noexcept nogil:
+    cdef uint32_t wide
+    cdef Py_ssize_t i
+    for i in range(count):
+        wide = <uint32_t>(p[i] - (p[i - 1] if i else 0))
+        memcpy(out + 4 * i, &wide, 4)   # a u32 piece may follow u16 pieces: 2-aligned only
+
+
+def encode_deltas(const int64_t[::1] indices, counts) -> tuple:
+    """(bytearray, widths): the deltas of ``indices`` (``counts[i]`` sorted indices per tensor,
+    back to back) and each tensor's width in bytes (2 or 4). The indices must be sorted and unique
+    within each tensor and below 2**32 (the encoder's callers guarantee it).
+
+    Every tensor is first stored at width 2 (the common case at TopK ratios); one that does not
+    fit is stored again at width 4, the pieces after it moving up."""
+    cdef Py_ssize_t n = len(counts), t, start = 0, count, total = 0
+    cdef const int64_t *base = &indices[0] if indices.shape[0] else NULL
+    for t in range(n):
+        count = counts[t]
+        if count < 0 or total + count > indices.shape[0]:
+            raise ValueError(f"encode_deltas: counts {list(counts)} do not match {indices.shape[0]} indices")
+        total += count
+    out = bytearray(2 * total)
+    widths = [2] * n
+    if not total:
+        return out, widths
+    cdef unsigned char *dst = out
+    cdef Py_ssize_t pos = 0
+    cdef bint narrow
+    for t in range(n):
+        count = counts[t]
+        with nogil:
+            narrow = _store_u16(base + start, count, <uint16_t *>(dst + pos)) if count else True
+        if not narrow:
+            widths[t] = 4
+            out[pos:pos + 2 * count] = bytes(4 * count)  # grow this tensor's piece in place
+            dst = out
+            with nogil:
+                _store_u32(base + start, count, dst + pos)
+        pos += count * widths[t]
+        start += count
+    return out, widths
+
+
+def decode_deltas(const unsigned char[::1] data, Py_ssize_t offset, Py_ssize_t nnz, int width,
+                  int64_t numel):
+    """The int32 indices of ``nnz`` deltas of ``width`` bytes at ``data[offset:]``, or None when
+    they do not describe indices that are sorted, unique and below ``numel`` (a corrupt record:
+    the caller says which). ``data`` must hold them (the caller checks the length)."""
+    if width != 2 and width != 4:
+        raise ValueError(f"decode_deltas: width {width}")
+    if offset < 0 or nnz < 0 or offset + nnz * width > data.shape[0]:
+        raise ValueError("decode_deltas: the deltas lie outside the data")
+    out = np.empty(nnz, dtype=np.int32)
+    if not nnz:
+        return out
+    cdef int32_t[::1] view = out
+    cdef int32_t *indices = &view[0]
+    cdef const unsigned char *src = &data[offset]
+    cdef bint good
+    with nogil:
+        good = _sum_deltas(src, nnz, width, numel, indices)
+    return out if good else None
+
+
+cdef bint _sum_deltas(const unsigned char *src, Py_ssize_t nnz, int width, int64_t numel,
+                      int32_t *indices) noexcept nogil:
+    """The running sums of the deltas into ``indices``; False at a zero delta after the first
+    (a repeated index) or a sum at or past ``numel``."""
+    cdef Py_ssize_t i
+    cdef int64_t position = 0
+    cdef uint16_t narrow = 0
+    cdef uint32_t wide = 0
+    for i in range(nnz):
+        if width == 2:
+            memcpy(&narrow, src + 2 * i, 2)
+            wide = narrow
+        else:
+            memcpy(&wide, src + 4 * i, 4)
+        if wide == 0 and i > 0:
+            return False
+        position += wide
+        if position >= numel:
+            return False
+        indices[i] = <int32_t>position
+    return True
