@@ -24,15 +24,13 @@ after ``wrap()`` or a resume is not judged: it holds one-off setup work.
 from __future__ import annotations
 
 import os
-import random
 import sys
 import types
 import warnings
 
-import numpy as np
 import torch
 
-from .capture import python_internal
+from .capture import numpy_state_matches, python_state_matches
 
 _SHOWN_STEPS = 4
 
@@ -110,11 +108,9 @@ def changed_rng_sources(rng: dict) -> set[str]:
     changed = set()
     if not torch.equal(torch.get_rng_state(), rng["torch"]):
         changed.add("torch")
-    if random.getstate()[1] != python_internal(rng["python"][1]):
+    if not python_state_matches(rng["python"]):
         changed.add("python random")
-    _, keys, pos, _, _ = np.random.get_state(legacy=True)
-    _, captured_keys, captured_pos, _, _ = rng["numpy"]
-    if int(pos) != captured_pos or not np.array_equal(keys, captured_keys.numpy()):
+    if not numpy_state_matches(rng["numpy"]):
         changed.add("numpy")
     for i, state in enumerate(rng.get("cuda", ())):
         if not torch.equal(torch.cuda.get_rng_state(i), state):

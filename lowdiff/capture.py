@@ -2,7 +2,9 @@
 state of the scheduler and of user objects, as immutable copies."""
 from __future__ import annotations
 
+import array
 import copy
+import ctypes
 import random
 
 import numpy as np
@@ -18,7 +20,7 @@ def capture_rng() -> dict:
     version, internal, python_gauss = random.getstate()
     state = {
         # Its 625 ints as a tensor: raw bytes in a record, not 625 JSON numbers to encode each step.
-        "python": (version, torch.from_numpy(np.fromiter(internal, np.int64, len(internal))), python_gauss),
+        "python": (version, _python_words(internal), python_gauss),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
     }
@@ -42,6 +44,62 @@ def _as_python_state(state):
     (files written before that) as a list or tuple of ints."""
     version, internal, gauss = state
     return version, python_internal(internal), gauss
+
+
+# array("L") converts a tuple of ints at about twice np.fromiter's speed; where its items are 8
+# bytes (Linux, macOS) their bits are the int64 values (each word is below 2**32).
+_WORDS = "L" if array.array("L").itemsize == 8 else "q"
+
+
+def _python_words(internal: tuple) -> torch.Tensor:
+    return torch.frombuffer(array.array(_WORDS, internal), dtype=torch.int64)
+
+
+def python_state_matches(captured) -> bool:
+    """Whether Python's generator is in the state ``captured`` (capture_rng's "python" entry)."""
+    version, internal, gauss = random.getstate()
+    words = captured[1]
+    if not isinstance(words, torch.Tensor):   # files written before the tensor form
+        return (version, internal, gauss) == _as_python_state(captured)
+    return (version == captured[0] and gauss == captured[2]
+            and array.array(_WORDS, internal).tobytes() == words.numpy().tobytes())
+
+
+def numpy_state_matches(captured) -> bool:
+    """Whether numpy's global generator (MT19937) holds the key and position of ``captured``
+    (capture_rng's "numpy" entry). Not its cached Gaussian: this serves the between-steps
+    warning, where np.random.get_state (a Python-level copy of 624 words, about 30 µs) is too
+    slow to call at every forward pass; the MT19937 state is read from its ctypes address."""
+    _, keys, pos, _, _ = captured
+    raw = _mt19937_state()
+    if raw is None:
+        _, live_keys, live_pos, _, _ = np.random.get_state(legacy=True)
+        return int(live_pos) == pos and np.array_equal(live_keys, keys.numpy())
+    return (int.from_bytes(raw[_MT_KEY_BYTES:], "little", signed=True) == pos
+            and np.array_equal(np.frombuffer(raw, np.uint32, _MT_WORDS), keys.numpy()))
+
+
+_MT_WORDS = 624
+_MT_KEY_BYTES = 4 * _MT_WORDS
+_mt_layout_checked: bool | None = None   # numpy's mt19937_state {uint32 key[624]; int pos} confirmed
+
+
+def _mt19937_state() -> bytes | None:
+    """The raw state struct of numpy's global MT19937, or None when it cannot be read that way.
+    The layout is checked once against np.random.get_state, so a numpy that changes it only
+    falls back to the slow path."""
+    global _mt_layout_checked
+    generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
+    if _mt_layout_checked is False or type(generator).__name__ != "MT19937":
+        return None
+    raw = ctypes.string_at(generator.ctypes.state_address, _MT_KEY_BYTES + 4)
+    if _mt_layout_checked is None:
+        _, keys, pos, _, _ = np.random.get_state(legacy=True)
+        _mt_layout_checked = (np.array_equal(np.frombuffer(raw, np.uint32, _MT_WORDS), keys)
+                              and int.from_bytes(raw[_MT_KEY_BYTES:], "little", signed=True) == int(pos))
+        if not _mt_layout_checked:
+            return None
+    return raw
 
 
 def python_internal(internal) -> tuple:

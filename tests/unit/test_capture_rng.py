@@ -56,3 +56,33 @@ def test_a_record_of_the_rng_state_is_small_binary_not_625_json_numbers():
     (length,) = tree._HEAD.unpack_from(encoded, len(tree._JSON_FORMAT))
     skeleton = encoded[start:start + length]
     assert skeleton.count(b",") < 50, f"the Python state's ints went into the JSON: {len(skeleton)} bytes"
+
+
+@pytest.mark.parametrize("path", ["state struct read directly", "np.random.get_state fallback"])
+def test_the_between_steps_check_sees_numpy_draws_and_reseeds(path, monkeypatch):
+    """The check reads numpy's MT19937 state from its ctypes address (its layout confirmed once
+    against np.random.get_state); where that cannot be done it falls back to get_state."""
+    if path.startswith("np.random"):
+        monkeypatch.setattr(capture, "_mt_layout_checked", False)
+    else:
+        assert capture._mt19937_state() is not None, "numpy's MT19937 layout no longer matches"
+    np.random.seed(11)
+    state = capture.capture_rng()
+    assert changed_rng_sources(state) == set()
+    np.random.rand()
+    assert changed_rng_sources(state) == {"numpy"}
+    np.random.seed(11)
+    assert changed_rng_sources(state) == set()
+    np.random.seed(12)
+    assert changed_rng_sources(state) == {"numpy"}
+    np.random.set_state((state["numpy"][0], state["numpy"][1].numpy().astype(np.uint32), *state["numpy"][2:]))
+    assert changed_rng_sources(state) == set()
+
+
+def test_the_direct_read_of_numpys_state_is_its_key_and_position():
+    np.random.seed(5)
+    np.random.rand(700)   # past one refill of the 624 words
+    raw = capture._mt19937_state()
+    _, keys, pos, _, _ = np.random.get_state(legacy=True)
+    assert np.array_equal(np.frombuffer(raw, np.uint32, 624), keys)
+    assert int.from_bytes(raw[2496:2500], "little", signed=True) == pos
