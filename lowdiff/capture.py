@@ -90,7 +90,7 @@ def _mt19937_state() -> bytes | None:
     falls back to the slow path."""
     global _mt_layout_checked
     generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
-    if _mt_layout_checked is False or type(generator).__name__ != "MT19937":
+    if _mt_layout_checked is False or generator is None or type(generator).__name__ != "MT19937":
         return None
     raw = ctypes.string_at(generator.ctypes.state_address, _MT_KEY_BYTES + 4)
     if _mt_layout_checked is None:
