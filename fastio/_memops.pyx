@@ -31,6 +31,7 @@ cdef extern from "crc32_core.h":
     void fastio_crc32_init()
     uint32_t fastio_crc32(uint32_t crc, const void *buf, size_t len) nogil
     uint32_t fastio_crc32_software(uint32_t crc, const void *buf, size_t len) nogil
+    uint32_t fastio_crc32_shift(uint32_t crc, uint64_t nbytes) nogil
     const char *fastio_crc32_backend()
 
 # Builds the tables once, here: module import is serialized, so no call can see them half-built.
@@ -93,6 +94,12 @@ def crc32(data, uint32_t value=0) -> int:
 def crc32_software(data, uint32_t value=0) -> int:
     """``crc32`` always computed by the portable table path (the reference for tests)."""
     return _checksum(data, value, fastio_crc32_software, "crc32_software")
+
+
+def crc32_shift(uint32_t value, uint64_t nbytes) -> int:
+    """``value`` (a ``crc32``) times x^(8 * nbytes): ``crc32(a + b) == crc32_shift(crc32(a), len(b))
+    ^ crc32(b)`` (zlib's crc32_combine), in time logarithmic in ``nbytes``."""
+    return fastio_crc32_shift(value, nbytes)
 
 
 def crc32_backend() -> str:

@@ -11,7 +11,7 @@
  * in tests/unit/test_fastio_crc32.py; a different constant cannot pass the comparison with zlib.
  */
 #include "crc32_core.h"
-#include "crc_slice8.h"
+#include "crc_reflected.h"
 
 #define POLY 0xEDB88320u /* zlib's polynomial 0x04C11DB7, reflected */
 
@@ -112,6 +112,11 @@ uint32_t fastio_crc32(uint32_t crc, const void *buf, size_t len)
     }
 #endif
     return ~sw_raw(raw, p, len);
+}
+
+uint32_t fastio_crc32_shift(uint32_t crc, uint64_t nbytes)
+{
+    return crc_mulmod(crc, crc_x_pow_bytes(nbytes, POLY), POLY);
 }
 
 uint32_t fastio_crc32_software(uint32_t crc, const void *buf, size_t len)

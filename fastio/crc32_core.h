@@ -24,6 +24,12 @@ uint32_t fastio_crc32(uint32_t crc, const void *buf, size_t len);
 /* Always the portable table (slicing-by-8) path: the reference the folding path is tested against. */
 uint32_t fastio_crc32_software(uint32_t crc, const void *buf, size_t len);
 
+/* crc * x^(8 * nbytes) mod P: what `nbytes` more bytes after data whose CRC is `crc` contribute
+ * to the CRC of the whole. CRCs are linear, so (zlib's crc32_combine)
+ *     crc(A ++ B) == fastio_crc32_shift(crc(A), |B|) ^ crc(B),
+ * which lets a writer insert bytes into a checksummed range without reading the rest again. */
+uint32_t fastio_crc32_shift(uint32_t crc, uint64_t nbytes);
+
 /* "pclmul" or "software": what fastio_crc32() uses. */
 const char *fastio_crc32_backend(void);
 

@@ -7,7 +7,7 @@
  * path checksum three adjacent blocks independently and stitch the results together.
  */
 #include "crc32c_core.h"
-#include "crc_slice8.h"
+#include "crc_reflected.h"
 
 #define POLY 0x82F63B78u /* Castagnoli, reflected: bit 31 is the x^0 coefficient */
 
@@ -83,37 +83,12 @@ static uint32_t hw_raw(uint32_t crc, const unsigned char *p, size_t len)
     return (uint32_t)c;
 }
 
-/* a * b mod P, both reflected (bit 31 = x^0). */
-static uint32_t mulmod(uint32_t a, uint32_t b)
-{
-    uint32_t product = 0;
-    for (int i = 0; i < 32; i++) {
-        if (a & (0x80000000u >> i)) /* a has the term x^i, and b is b_original * x^i by now */
-            product ^= b;
-        b = (b & 1) ? (b >> 1) ^ POLY : b >> 1; /* b *= x: x^31 wraps around to x^32 = POLY */
-    }
-    return product;
-}
-
-/* x^(8 * nbytes) mod P by square-and-multiply. */
-static uint32_t x_pow_bytes(size_t nbytes)
-{
-    uint32_t result = 0x80000000u; /* x^0 */
-    uint32_t power = 0x00800000u;  /* x^8: one byte */
-    for (; nbytes; nbytes >>= 1) {
-        if (nbytes & 1)
-            result = mulmod(result, power);
-        power = mulmod(power, power);
-    }
-    return result;
-}
-
 static void build_shift_table(uint32_t table[4][256], size_t nbytes)
 {
-    uint32_t x = x_pow_bytes(nbytes);
+    uint32_t x = crc_x_pow_bytes(nbytes, POLY);
     for (int k = 0; k < 4; k++)
         for (uint32_t b = 0; b < 256; b++)
-            table[k][b] = mulmod(b << (8 * k), x);
+            table[k][b] = crc_mulmod(b << (8 * k), x, POLY);
 }
 #endif /* HAVE_SSE42_PATH */
 

@@ -8,7 +8,7 @@ import fastio
 from . import container, faults
 from .errors import CorruptCheckpointError
 from .format import BatchIndex
-from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, record_length
+from .records import RECORD_HEADER, RECORD_MAGIC, decode_record, placed_at, record_length
 
 log = logging.getLogger("lowdiff")
 
@@ -23,7 +23,7 @@ def write_batch(path: str, session: str, records: list, *, run: str | None = Non
         writer.write(container.preamble_bytes(kind))
         for step, buffers in records:
             offset = writer.size
-            for buffer in buffers:
+            for buffer in placed_at(offset, buffers):
                 writer.write(buffer)
             entries.append([step, offset, writer.size - offset])
         faults.point("batch-write")

@@ -152,6 +152,34 @@ def encode_record(record: StepRecord, compressor=None) -> list:
     return [header, packed, *raw]
 
 
+# Where a record's values start in its file: at a multiple of this, the reader decodes them in place
+# (views of its read buffer, see _value_region) instead of moving them down by a few bytes first,
+# which for a dense record is a pass over model-sized memory beside the optimizer's step.
+VALUES_ALIGN = 8
+_SKIPPABLE = struct.Struct("<II")   # a zstd skippable frame's magic and the length of what follows
+_SKIPPABLE_MAGIC = 0x184D2A50
+
+
+def placed_at(offset: int, buffers: list) -> list:
+    """The encoded record ``buffers`` (header, packed, values...) as they are written at file
+    offset ``offset``: when the values would not start at a multiple of VALUES_ALIGN there, a zstd
+    skippable frame of 9 to 15 bytes follows the packed part (zstd readers skip it; docs/format.md)
+    and the header's packed length and CRC say so. The values are not read again: the CRC of the
+    longer body comes from the old one by CRC linearity (fastio.crc32_shift)."""
+    header, packed, *raw = buffers
+    raw_bytes = sum(memoryview(v).nbytes for v in raw)
+    misaligned = (offset + RECORD_HEADER.size + len(packed)) % VALUES_ALIGN
+    if not raw_bytes or not misaligned:
+        return buffers
+    filler = VALUES_ALIGN - misaligned + VALUES_ALIGN - _SKIPPABLE.size   # a frame holds at least 8
+    pad = _SKIPPABLE.pack(_SKIPPABLE_MAGIC, filler) + bytes(filler)
+    magic, version, flags, step, packed_len, raw_len, crc = RECORD_HEADER.unpack(header)
+    before = fastio.crc32(packed)
+    crc ^= fastio.crc32_shift(fastio.crc32(pad, before) ^ before, raw_bytes)
+    header = RECORD_HEADER.pack(magic, version, flags, step, packed_len + len(pad), raw_len, crc)
+    return [header, packed, pad, *raw]
+
+
 _local = threading.local()
 
 

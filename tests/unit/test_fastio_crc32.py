@@ -94,3 +94,19 @@ def test_large_buffers_of_every_buffer_kind(rng):
         fastio.crc32(floats[:, ::2])
     with pytest.raises(OverflowError):
         fastio.crc32(b"", 1 << 32)
+
+
+@settings(deadline=None, max_examples=200)
+@given(a=st.binary(max_size=3000), b=st.binary(max_size=3000))
+def test_shift_combines_the_crcs_of_two_pieces(a, b):
+    """crc32(a + b) == crc32_shift(crc32(a), len(b)) ^ crc32(b): zlib's crc32_combine."""
+    assert fastio.crc32_shift(fastio.crc32(a), len(b)) ^ fastio.crc32(b) == zlib.crc32(a + b)
+
+
+def test_shift_past_gigabytes_takes_no_pass_over_them():
+    zeros = np.zeros(3 << 20, dtype=np.uint8)
+    assert fastio.crc32_shift(0x12345678, 0) == 0x12345678
+    # x^(8n) for n = 3 MiB, checked against feeding 3 MiB of zeros (the raw register's meaning)
+    a = b"lowdiff"
+    assert fastio.crc32_shift(zlib.crc32(a), zeros.size) ^ zlib.crc32(zeros) == zlib.crc32(a + zeros.tobytes())
+    fastio.crc32_shift(1, 1 << 62)   # logarithmic in the length

@@ -393,7 +393,8 @@ def test_public_names_are_pinned():
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
-        "aligned_buffer", "backend", "buffer_address", "copy_regions", "crc32", "crc32c", "engine", "make_engine"]
+        "aligned_buffer", "backend", "buffer_address", "copy_regions", "crc32", "crc32_shift", "crc32c",
+        "engine", "make_engine"]
     for module in (lowdiff, recovery, fastio):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name} is in __all__ but missing"
@@ -495,3 +496,45 @@ def test_a_record_with_repeated_or_out_of_range_indices_is_corrupt(indices, nume
     with pytest.raises(CorruptCheckpointError, match="not sorted, unique and < ") as info:
         decode_record(blob, "bad.ldd", 64)
     assert info.value.path == "bad.ldd"
+
+
+@pytest.mark.parametrize("values", [1, 2, 3, 5, 8])
+def test_written_records_put_their_values_at_a_multiple_of_8_and_decode_in_place(tmp_path, values):
+    """write_batch pads a record's packed part with a zstd skippable frame where that puts its
+    values 8-aligned in the file (docs/format.md); replay then decodes them as views of its read
+    buffer, with the CRC (adjusted without rereading the values) holding."""
+    records, originals = [], []
+    for step in range(1, 9):   # odd value counts move every later record's offset
+        dtype = torch.float64 if step % 2 else torch.float32   # one dtype per record: all views
+        grads = [Compressed("dense", values + step, torch.randn(values + step, dtype=dtype)),
+                 Compressed("dense", step, torch.randn(step, dtype=dtype))]
+        originals.append(StepRecord(step, False, grads, {"groups_used": [], "groups_after": [], "s": "x" * step}))
+        records.append((step, encode_record(originals[-1])))
+    records.append((9, encode_record(StepRecord(9, True, [], {"groups_used": []}))))   # no values: no padding
+    path = str(tmp_path / "b.ldd")
+    write_batch(path, "0a1b2c3d", records)
+    with open(path, "rb") as f:
+        blob = f.read()
+    reader = BatchReader(path)
+    try:
+        padded = 0
+        for position, original in enumerate(originals):
+            step, offset, nbytes = reader.entries[position]
+            _, _, _, _, packed_len, raw_len, _ = RECORD_HEADER.unpack_from(blob, offset)
+            assert (offset + RECORD_HEADER.size + packed_len) % 8 == 0
+            padded += packed_len != len(records[position][1][1])
+            data, buffer = reader.read_for_replay(position, _NewMemory())
+            decoded = reader.decode_record(position, data, owned=True)
+            assert_same_record(decoded, original)
+            start = fastio.buffer_address(buffer.view())
+            for grad in decoded.grads:   # views of the read buffer: nothing was moved or copied
+                assert start <= grad.values.data_ptr() < start + buffer.capacity_bytes
+        assert padded, "no record needed padding: the test does not exercise it"
+        assert reader.decode_record(8, reader.read_record_bytes(8)).skipped
+    finally:
+        reader.close()
+
+
+class _NewMemory:
+    def take(self, nbytes):
+        return fastio.aligned_buffer(nbytes)

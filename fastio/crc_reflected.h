@@ -1,11 +1,13 @@
-/* crc_slice8.h - the portable table path shared by the reflected CRCs in fastio (CRC-32C in
- * crc32c_core.c, zlib's CRC-32 in crc32_core.c): slicing-by-8 on the raw register (no inversion).
+/* crc_reflected.h - what the reflected CRCs in fastio share (CRC-32C in crc32c_core.c, zlib's
+ * CRC-32 in crc32_core.c), for a polynomial given as its reflected 32 bits (bit 31 = x^0):
  *
- * table[k][b] is the raw CRC of byte b followed by k zero bytes, so one 8-byte word costs eight
- * independent lookups instead of eight dependent byte steps.
+ * - the portable table path, slicing-by-8 on the raw register (no inversion): table[k][b] is the
+ *   raw CRC of byte b followed by k zero bytes, so one 8-byte word costs eight independent
+ *   lookups instead of eight dependent byte steps;
+ * - multiplication mod P and x^(8n) mod P, which shift a CRC past n bytes (CRCs are linear).
  */
-#ifndef FASTIO_CRC_SLICE8_H
-#define FASTIO_CRC_SLICE8_H
+#ifndef FASTIO_CRC_REFLECTED_H
+#define FASTIO_CRC_REFLECTED_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -52,6 +54,31 @@ static inline uint32_t crc_slice8(uint32_t table[8][256], uint32_t crc, const un
     while (len--)
         crc = table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
     return crc;
+}
+
+/* a * b mod P, both reflected. */
+static inline uint32_t crc_mulmod(uint32_t a, uint32_t b, uint32_t poly)
+{
+    uint32_t product = 0;
+    for (int i = 0; i < 32; i++) {
+        if (a & (0x80000000u >> i)) /* a has the term x^i, and b is b_original * x^i by now */
+            product ^= b;
+        b = (b & 1) ? (b >> 1) ^ poly : b >> 1; /* b *= x: x^31 wraps around to x^32 = P */
+    }
+    return product;
+}
+
+/* x^(8 * nbytes) mod P by square-and-multiply. */
+static inline uint32_t crc_x_pow_bytes(uint64_t nbytes, uint32_t poly)
+{
+    uint32_t result = 0x80000000u; /* x^0 */
+    uint32_t power = 0x00800000u;  /* x^8: one byte */
+    for (; nbytes; nbytes >>= 1) {
+        if (nbytes & 1)
+            result = crc_mulmod(result, power, poly);
+        power = crc_mulmod(power, power, poly);
+    }
+    return result;
 }
 
 #endif
