@@ -113,29 +113,22 @@ class _RecordMemory:
                 self._free.append(buffer)
 
 
-# What the records in flight may hold at most, in bytes, beyond the first two: a dense record is the
-# size of the model, and every buffer in flight is memory the first records fault in beside the
-# optimizer's steps (at about 1 GB/s on a small VM). Two records in flight keep the device busy
-# while one is decoded and one applied; small (sparse) records are bounded by ``window`` instead.
+# What the records in flight may hold at most, in bytes, once two are: a dense record is the size of
+# the model, and every read buffer in flight is memory that the first records fault in beside the
+# optimizer's steps (at about 1 GB/s on a small VM). Two dense records in flight keep the reads
+# going while one is applied; small (sparse) records are bounded by ``window`` instead.
 WINDOW_BYTES = 1 << 30
 
 
-def _read(reader, position: int, memory: _RecordMemory):
-    """Read one record (the read thread): (bytes, the read buffer they lie in, seconds)."""
+def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, memory: _RecordMemory):
+    """Read, verify and decode one record into per-buffer updates (a worker thread). Returns them
+    with the read buffer they are views of (None: the reader's own bytes, e.g. joined shares)."""
     started = time.perf_counter()
     data, buffer = reader.read_for_replay(position, memory)
-    return data, buffer, time.perf_counter() - started
-
-
-def _load(reader, position: int, read: concurrent.futures.Future, buffers: GradientBuffers, times: ReplayTimes):
-    """Verify and decode one record into per-buffer updates (a worker thread), once the read
-    thread has read it. Returns them with the read buffer they are views of (None: the reader's
-    own bytes, e.g. joined shares). A read error is raised here, as the record's."""
-    data, buffer, read_s = read.result()
-    started = time.perf_counter()
+    read = time.perf_counter()
     # Every reader hands over what read_for_replay returns: the values may be decoded as views of it.
     prepared = buffers.prepare(reader.decode_record(position, data, owned=True))
-    times.add(read_s, time.perf_counter() - started)
+    times.add(read - started, time.perf_counter() - read)
     return prepared, buffer
 
 
@@ -143,9 +136,8 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
            window: int | None = None, times: ReplayTimes | None = None):
     """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]) with
     ``workers`` decoding threads (default: ``default_workers()``) and at most ``window`` records
-    in flight (default: 4 per worker; fewer when they hold more than WINDOW_BYTES, but always two).
-    One more thread reads the records, in order, so the device stays busy while they are decoded.
-    Returns (last step, its record); adds timings to ``times``."""
+    in flight (default: 4 per worker; fewer when two or more hold WINDOW_BYTES). Returns (last
+    step, its record); adds timings to ``times``."""
     workers = default_workers() if workers is None else check_workers(workers)
     wall_started = time.perf_counter()
     window = window or 4 * workers
@@ -156,87 +148,56 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     last_listed = max([entry.last for entry, _ in chain], default=base_step)
     progress = Progress(min(last_listed, stop_step if stop_step is not None else last_listed) - base_step,
                         "replaying differentials")
-    flight = _Flight(window, buffers=GradientBuffers(params), times=times, memory=_RecordMemory())
+    in_flight: collections.deque = collections.deque()
+    buffers = GradientBuffers(params)
+    memory = _RecordMemory()
     held = None   # the read buffer of the last record applied (its record is returned)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lowdiff-read") as reads, \
-            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
         try:
-            flight.fill(tasks, reads, pool)
-            while flight.items:
-                item = flight.pop()
+            _fill(in_flight, tasks, pool, window, buffers, times, memory)
+            while in_flight:
+                item = in_flight.popleft()
                 if isinstance(item, CorruptCheckpointError):
                     warn(f"lowdiff: {item}; resuming at step {step}, the last step that verifies")
                     break
                 try:
-                    prepared, buffer = item.decoded.result()
+                    prepared, buffer = item.result()
                 except (CorruptCheckpointError, OSError, EOFError) as exc:
                     warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
                     break
                 started = time.perf_counter()
-                flight.buffers.apply(prepared, optimizer)
+                buffers.apply(prepared, optimizer)
                 times.apply_s += time.perf_counter() - started
-                flight.memory.give(held)
+                memory.give(held)
                 held = buffer
-                flight.fill(tasks, reads, pool)   # after: at most ``window`` held
+                _fill(in_flight, tasks, pool, window, buffers, times, memory)   # after: at most ``window`` held
                 times.records += 1
                 progress.update()
                 step, last = prepared.record.step, prepared.record
         finally:
             progress.close()
-            flight.cancel()
-            flight.buffers.detach()
+            for item in in_flight:
+                if isinstance(item, concurrent.futures.Future):
+                    item.cancel()
+            buffers.detach()
             times.wall_s += time.perf_counter() - wall_started
     return step, last
 
 
-@dataclasses.dataclass(frozen=True)
-class _Submitted:
-    read: concurrent.futures.Future      # _read's, on the read thread
-    decoded: concurrent.futures.Future   # _load's, on a worker
-    nbytes: int
-
-
-class _Flight:
-    """The records submitted and not yet applied, in step order (``_Submitted``), and last the
-    CorruptCheckpointError that ends the task list, if any."""
-
-    def __init__(self, window: int, *, buffers: GradientBuffers, times: ReplayTimes, memory: _RecordMemory):
-        self.window = window
-        self.buffers, self.times, self.memory = buffers, times, memory
-        self.items: collections.deque = collections.deque()
-        self._bytes = 0
-
-    def fill(self, tasks, reads, pool) -> None:
-        """Submit tasks until ``window`` records (or WINDOW_BYTES, past two) are in flight."""
-        while len(self.items) < self.window and not (self.items and isinstance(self.items[-1], CorruptCheckpointError)):
-            if len(self.items) >= 2 and self._bytes >= WINDOW_BYTES:
-                return
-            task = next(tasks, None)
-            if task is None:
-                return
-            if isinstance(task, CorruptCheckpointError):
-                self.items.append(task)
-                continue
-            reader, position = task
-            read = reads.submit(_read, reader, position, self.memory)
-            item = _Submitted(read, pool.submit(_load, reader, position, read, self.buffers, self.times),
-                              _record_bytes(reader, position))
-            self._bytes += item.nbytes
-            self.items.append(item)
-
-    def pop(self):
-        item = self.items.popleft()
-        if isinstance(item, _Submitted):
-            self._bytes -= item.nbytes
-        return item
-
-    def cancel(self) -> None:
-        for item in self.items:
-            if isinstance(item, _Submitted):
-                item.read.cancel()
-                item.decoded.cancel()
-
-
-def _record_bytes(reader, position: int) -> int:
-    """The size the reader lists for a record (0 when it does not know: shares joined in memory)."""
-    return reader.entries[position][2]
+def _fill(in_flight: collections.deque, tasks, pool, window: int, buffers: GradientBuffers,
+          times: ReplayTimes, memory: _RecordMemory) -> None:
+    """Submit tasks until ``window`` are in flight, or past two, WINDOW_BYTES (an error item ends
+    the task list)."""
+    while len(in_flight) < window and not (in_flight and isinstance(in_flight[-1], CorruptCheckpointError)):
+        if len(in_flight) >= 2 and sum(getattr(item, "nbytes", 0) for item in in_flight) >= WINDOW_BYTES:
+            return
+        task = next(tasks, None)
+        if task is None:
+            return
+        if isinstance(task, CorruptCheckpointError):
+            in_flight.append(task)
+            continue
+        future = pool.submit(_load, *task, buffers, times, memory)
+        reader, position = task
+        future.nbytes = reader.entries[position][2]   # 0: unknown (shares joined in memory)
+        in_flight.append(future)

@@ -172,3 +172,33 @@ def test_records_in_flight_stay_within_the_window(tmp_path, monkeypatch):
     step, state = resumed(directory, "adam", 2)
     assert step == STEPS and same(state, trained)
     assert 1 <= most[0] <= 4 * 2, most[0]
+
+
+def test_large_records_in_flight_stay_within_window_bytes(tmp_path, monkeypatch):
+    """Records that hold WINDOW_BYTES between them limit the window to two (a dense record is the
+    size of the model): the same resume, with fewer read buffers faulted in."""
+    import recovery.replay as replay_module
+    from lowdiff.apply import GradientBuffers
+
+    directory = str(tmp_path / "ckpt")
+    trained = train(directory, "adam", lowdiff.Dense())
+    monkeypatch.setattr(replay_module, "WINDOW_BYTES", 1)   # every record is "large"
+    held, most = [0], [0]
+    load, apply = replay_module._load, GradientBuffers.apply
+
+    def counting_load(*args):
+        held[0] += 1
+        most[0] = max(most[0], held[0])
+        return load(*args)
+
+    def slow_apply(self, prepared, optimizer):
+        import time
+        time.sleep(0.01)
+        held[0] -= 1
+        return apply(self, prepared, optimizer)
+
+    monkeypatch.setattr(replay_module, "_load", counting_load)
+    monkeypatch.setattr(GradientBuffers, "apply", slow_apply)
+    step, state = resumed(directory, "adam", 2)
+    assert step == STEPS and same(state, trained)
+    assert most[0] == 2, most[0]
