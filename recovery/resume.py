@@ -144,7 +144,8 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     else:
         restored, tier, own = restore_from_tiers(
             directory, shared, check_full=targets.check_full, stop_step=step, apply_full=targets.apply_full,
-            params_for=targets.params, optimizer_for=lambda index: targets.inner, workers=workers)
+            params_for=targets.params, optimizer_for=lambda index: targets.inner, workers=workers,
+            into=targets.live_tensors)
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:

@@ -1,5 +1,6 @@
-"""Resume from storage tiers: plan a recovery in the local and in the shared tier, take the newest
-state that verifies (the local tier when both reach the same step), and say which tier was used.
+"""Resume from storage tiers: rank the local and the shared tier by the step their manifests reach,
+restore the first (the local tier when both reach the same step), fall back to the other when it
+ends earlier than that one's reach, and say which tier was used.
 A missing, empty or damaged local tier (a replaced node) falls back to the shared one. Partitioned
 tiers (training under torch.distributed) are planned and restored at any world size alike.
 """
@@ -11,11 +12,13 @@ import os
 import torch.distributed as dist
 
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+from lowdiff.inventory import take_inventory
+from lowdiff.manifest import chain_end, describe_retained, plan_chain
 from lowdiff.partition import is_partitioned
 from lowdiff.tiers import read_marker
 
 from .distributed import plan_sets, restore_partitioned
-from .restore import Restored, execute, plan_recovery, restore, warn
+from .restore import Restored, checkpoint_directory, restore, warn
 
 log = logging.getLogger("lowdiff")
 TIERS = ("local", "shared")
@@ -40,47 +43,85 @@ def shared_tier(directory: str, wrapper, shared_dir) -> str | None:
 def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | None,
                        **run) -> tuple[Restored | None, str, bool]:
     """(Restored or None for two empty tiers, "local" | "shared", whether this rank got its own
-    per-rank state back). ``run``: apply_full, params_for, optimizer_for, workers
-    (recovery.restore.execute). Partitioned tiers: see restore_partitioned_tiers."""
+    per-rank state back). ``run``: apply_full, params_for, optimizer_for, workers, into
+    (recovery.restore.restore). Partitioned tiers: see restore_partitioned_tiers.
+
+    The tiers are ranked by the step their manifests reach (the local one when equal), and only
+    the first is restored; so its full checkpoint can be read straight into the caller's tensors
+    (``into``). If its records or full checkpoints fail to verify and it ends before the other
+    tier's reach, the other is restored, and the further of the two kept."""
     if is_partitioned(local) or is_partitioned(shared):
+        run.pop("into", None)   # recovery.distributed reads shares into new memory
         return restore_partitioned_tiers(local, shared, check_full=check_full, stop_step=stop_step, **run)
     directories = dict(zip(TIERS, (local, shared)))
-    plans, errors = {}, {}
+    reach, errors = {}, {}
     for tier, directory in directories.items():
         try:
-            plan = plan_recovery(directory, check_full=check_full, stop_step=stop_step)
+            reach[tier] = directory_reach(directory, stop_step)
         except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
             errors[tier] = exc
-            continue
-        if plan is not None:
-            plans[tier] = plan
-    if not plans:
-        if errors:
-            raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
-                f"{tier} tier {directories[tier]}: {exc}" for tier, exc in errors.items()))
+
+    def attempt(tier):
+        try:
+            return restore(directories[tier], check_full=check_full, stop_step=stop_step, **run), True
+        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+            errors[tier] = exc
+            warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
+            return None, True
+    restored, tier, own = _restore_furthest(directories, reach, attempt, errors)
+    if restored is None and errors:
+        raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
+            f"{tier} tier {directories[tier]}: {exc}" for tier, exc in errors.items()))
+    return restored, tier, own
+
+
+def directory_reach(directory: str, stop_step: int | None) -> int:
+    """The step a plain checkpoint directory reaches by its manifest: the chain of its newest full
+    checkpoint (at or before ``stop_step``), capped at ``stop_step``; -1 when it has none.
+    NoCheckpointError when it does not retain ``stop_step``. Its files may still fail to verify
+    (the restore then ends earlier)."""
+    directory = checkpoint_directory(directory)
+    if not os.path.isdir(directory):
+        return -1
+    manifest = take_inventory(directory, skip_other_versions=stop_step is not None).manifest
+    if stop_step is not None and manifest.fulls and not manifest.retains(stop_step):
+        raise NoCheckpointError(f"{directory}: step {stop_step} is not retained; {describe_retained(manifest)}")
+    fulls = [f.step for f in manifest.fulls if stop_step is None or f.step <= stop_step]
+    if not fulls:
+        return -1
+    reach = chain_end(manifest, max(fulls), plan_chain(manifest, max(fulls)))
+    return reach if stop_step is None else min(reach, stop_step)
+
+
+def _restore_furthest(directories: dict, reach: dict, attempt, errors: dict | None = None):
+    """Restore the tier that reaches furthest by ``reach`` (the local one when equal) with
+    ``attempt(tier) -> (Restored | None, own)``; if it ends before the other tier's reach, try
+    that one and keep the further (restoring the first again if it was). Returns (Restored or
+    None, tier, own)."""
+    order = sorted((t for t in TIERS if reach.get(t, -1) >= 0), key=lambda t: (-reach[t], TIERS.index(t)))
+    if not order:
         return None, "local", True
-    order = sorted(plans, key=lambda tier: (-plans[tier].reach_step, TIERS.index(tier)))
     best = order[0]
     if best == "shared":
-        why = f"{errors['local']}" if "local" in errors else (
-            "it is empty or missing" if "local" not in plans else
-            f"it reaches step {plans['local'].reach_step}, the shared tier step {plans['shared'].reach_step}")
-        warn(f"lowdiff: resuming from the shared tier {shared}: the local tier {local} is not used ({why})")
-    restored = execute(plans[best], **run)
-    if len(order) == 1:
-        return _said(restored, best)
+        local = "local"
+        why = (f"{errors[local]}" if errors and local in errors else
+               "it has no full checkpoint to resume from" if reach.get(local, -1) < 0 else
+               f"it reaches step {reach[local]}, the shared tier step {reach['shared']}")
+        warn(f"lowdiff: resuming from the shared tier {directories['shared']}: the local tier "
+             f"{directories[local]} is not used ({why})")
+    restored, own = attempt(best)
+    if len(order) == 1 or (restored is not None and restored.step >= reach[order[1]]):
+        return _said(restored, best, own)
     other = order[1]
-    if restored.step >= plans[other].reach_step:
-        plans[other].close()
-        return _said(restored, best)
-    # Records of the chosen tier failed to verify: the other tier may reach further.
-    warn(f"lowdiff: the {best} tier reached only step {restored.step}; trying the {other} tier "
-         f"(its files reach step {plans[other].reach_step})")
-    alternative = execute(plans[other], **run)
-    if alternative.step > restored.step:
-        return _said(alternative, other)
-    again = restore(directories[best], check_full=check_full, stop_step=stop_step, **run)
-    return _said(again, best)
+    warn(f"lowdiff: the {best} tier reached only step {restored.step if restored else -1}; trying the {other} "
+         f"tier (its files reach step {reach[other]})")
+    alternative, alternative_own = attempt(other)
+    if alternative is not None and (restored is None or alternative.step > restored.step):
+        return _said(alternative, other, alternative_own)
+    if restored is None:
+        return None, best, True
+    restored, own = attempt(best)   # the other tier's restore overwrote the caller's objects
+    return _said(restored, best, own)
 
 
 # ---------------------------------------------------------------------- partitioned tiers
@@ -118,9 +159,6 @@ def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step:
     that one and keep the further."""
     directories = dict(zip(TIERS, (local, shared)))
     reach = _agreed_reach(directories, stop_step)
-    order = sorted((t for t in TIERS if reach[t] >= 0), key=lambda t: (-reach[t], TIERS.index(t)))
-    if not order:
-        return None, "local", True
 
     def attempt(tier):
         try:
@@ -130,24 +168,7 @@ def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step:
         except NoCheckpointError as exc:   # the same on every rank (the ranks agree on what failed)
             warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
             return None, True
-    best = order[0]
-    if best == "shared":
-        why = "it has no complete full checkpoint" if reach["local"] < 0 else \
-            f"it reaches step {reach['local']}, the shared tier step {reach['shared']}"
-        warn(f"lowdiff: resuming from the shared tier {shared}: the local tier {local} is not used ({why})")
-    restored, own = attempt(best)
-    if len(order) == 1 or (restored is not None and restored.step >= reach[order[1]]):
-        return _said(restored, best, own)
-    other = order[1]
-    warn(f"lowdiff: the {best} tier reached only step {restored.step if restored else -1}; trying the {other} "
-         f"tier (its files reach step {reach[other]})")
-    alternative, alternative_own = attempt(other)
-    if alternative is not None and (restored is None or alternative.step > restored.step):
-        return _said(alternative, other, alternative_own)
-    if restored is None:
-        return None, best, True
-    restored, own = attempt(best)
-    return _said(restored, best, own)
+    return _restore_furthest(directories, reach, attempt)
 
 
 def _said(restored: Restored | None, tier: str, own: bool = True) -> tuple[Restored | None, str, bool]:

@@ -112,6 +112,37 @@ def test_newest_tier_wins_and_local_is_preferred_when_equal(tmp_path, reference,
     assert any("shared tier" in r.getMessage() for r in caplog.records)
 
 
+def test_only_the_chosen_tier_is_loaded_straight_into_the_live_tensors(tmp_path, reference, monkeypatch):
+    """Tiers are ranked by what their manifests reach, so only the chosen tier's full checkpoint is
+    read, and it is read into the caller's tensors (``into``), as without tiers. With its full
+    checkpoints damaged, the local tier is tried first, fails, and the shared one is used."""
+    import recovery.restore as restore_module
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    run_to(local, Tiers(str(shared)), 12)
+    loads = []
+    load_full = restore_module.load_full
+
+    def recording_load_full(path, *, into=None, check=None):
+        loads.append((os.path.dirname(path), into is not None))
+        return load_full(path, into=into, check=check)
+    monkeypatch.setattr(restore_module, "load_full", recording_load_full)
+    start, digest = resume_digest(local, shared)
+    assert (int(start), start.tier, digest) == (12, "local", reference[12])
+    assert loads == [(str(local), True)]
+    for name in checkpoint_files(local):
+        if name.startswith("full-"):
+            with open(local / name, "r+b") as f:
+                f.seek(4096 + 8)
+                byte = f.read(1)
+                f.seek(4096 + 8)
+                f.write(bytes([byte[0] ^ 1]))
+    loads.clear()
+    start, digest = resume_digest(local, shared)
+    assert (int(start), start.tier, digest) == (12, "shared", reference[12])
+    assert loads[-1] == (str(shared), True) and all(into for _, into in loads)
+    assert {directory for directory, _ in loads} == {str(local), str(shared)}
+
+
 def test_keep_every_keeps_exactly_the_policy_and_every_kept_state_resumes_exactly(tmp_path, reference):
     local, shared = tmp_path / "local", tmp_path / "shared"
     tiers = Tiers(str(shared), local=KeepLast(1), shared=KeepEvery(5, last=1))
