@@ -72,15 +72,11 @@ def numpy_state_matches(captured) -> bool:
     slow to call at every forward pass; the MT19937 state is read from its ctypes address."""
     _, keys, pos, _, _ = captured
     raw = _mt19937_state()
-    if raw is None:
-        _, live_keys, live_pos, _, _ = np.random.get_state(legacy=True)
-        return int(live_pos) == pos and np.array_equal(live_keys, keys.numpy())
-    return (int.from_bytes(raw[_MT_KEY_BYTES:], "little", signed=True) == pos
-            and np.array_equal(np.frombuffer(raw, np.uint32, _MT_WORDS), keys.numpy()))
+    live = _key_and_position(raw) if raw is not None else _key_and_position_from_numpy()
+    return _same_key_and_position(live, (keys.numpy(), pos))
 
 
 _MT_WORDS = 624
-_MT_KEY_BYTES = 4 * _MT_WORDS
 _mt_layout_checked: bool | None = None   # numpy's mt19937_state {uint32 key[624]; int pos} confirmed
 
 
@@ -92,14 +88,23 @@ def _mt19937_state() -> bytes | None:
     generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
     if _mt_layout_checked is False or generator is None or type(generator).__name__ != "MT19937":
         return None
-    raw = ctypes.string_at(generator.ctypes.state_address, _MT_KEY_BYTES + 4)
+    raw = ctypes.string_at(generator.ctypes.state_address, 4 * _MT_WORDS + 4)
     if _mt_layout_checked is None:
-        _, keys, pos, _, _ = np.random.get_state(legacy=True)
-        _mt_layout_checked = (np.array_equal(np.frombuffer(raw, np.uint32, _MT_WORDS), keys)
-                              and int.from_bytes(raw[_MT_KEY_BYTES:], "little", signed=True) == int(pos))
-        if not _mt_layout_checked:
-            return None
-    return raw
+        _mt_layout_checked = _same_key_and_position(_key_and_position(raw), _key_and_position_from_numpy())
+    return raw if _mt_layout_checked else None
+
+
+def _key_and_position(raw: bytes) -> tuple[np.ndarray, int]:
+    return np.frombuffer(raw, np.uint32, _MT_WORDS), int.from_bytes(raw[4 * _MT_WORDS:], "little", signed=True)
+
+
+def _key_and_position_from_numpy() -> tuple[np.ndarray, int]:
+    _, keys, pos, _, _ = np.random.get_state(legacy=True)
+    return np.asarray(keys), int(pos)
+
+
+def _same_key_and_position(a: tuple, b: tuple) -> bool:
+    return a[1] == b[1] and np.array_equal(a[0], b[0])
 
 
 def python_internal(internal) -> tuple:

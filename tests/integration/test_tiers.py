@@ -76,6 +76,17 @@ def checkpoint_files(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith(("full-", "diff-")))
 
 
+def damage_every_full_checkpoint(directory):
+    """Flip one bit of every full checkpoint's payload: none of them verifies any more."""
+    for name in checkpoint_files(directory):
+        if name.startswith("full-"):
+            with open(directory / name, "r+b") as f:
+                f.seek(4096 + 8)
+                byte = f.read(1)
+                f.seek(4096 + 8)
+                f.write(bytes([byte[0] ^ 1]))
+
+
 def test_local_tier_deleted_resumes_from_shared_exactly(tmp_path, reference):
     local, shared = tmp_path / "local", tmp_path / "shared"
     run_to(local, Tiers(str(shared)), 17)
@@ -99,13 +110,7 @@ def test_newest_tier_wins_and_local_is_preferred_when_equal(tmp_path, reference,
     start, _ = resume_digest(local, shared)
     assert (int(start), start.tier) == (12, "local")
     # Damage every local full checkpoint: the shared tier reaches further, resume takes it and says so.
-    for name in checkpoint_files(local):
-        if name.startswith("full-"):
-            with open(local / name, "r+b") as f:
-                f.seek(4096 + 8)
-                byte = f.read(1)
-                f.seek(4096 + 8)
-                f.write(bytes([byte[0] ^ 1]))
+    damage_every_full_checkpoint(local)
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
         start, digest = resume_digest(local, shared)
     assert (int(start), start.tier, digest) == (12, "shared", reference[12])
@@ -129,13 +134,7 @@ def test_only_the_chosen_tier_is_loaded_straight_into_the_live_tensors(tmp_path,
     start, digest = resume_digest(local, shared)
     assert (int(start), start.tier, digest) == (12, "local", reference[12])
     assert loads == [(str(local), True)]
-    for name in checkpoint_files(local):
-        if name.startswith("full-"):
-            with open(local / name, "r+b") as f:
-                f.seek(4096 + 8)
-                byte = f.read(1)
-                f.seek(4096 + 8)
-                f.write(bytes([byte[0] ^ 1]))
+    damage_every_full_checkpoint(local)
     loads.clear()
     start, digest = resume_digest(local, shared)
     assert (int(start), start.tier, digest) == (12, "shared", reference[12])
