@@ -61,7 +61,9 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path):
     env = {**os.environ, "LOWDIFF_FAULT": "batch-commit:5"}     # SIGKILLs itself at the 5th batch commit
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    killed_at = int(proc.stdout.split()[-1])
+    # The last complete line: with PYTHONUNBUFFERED (CI sets it) print writes "step", " ", "N" and
+    # "\n" one by one, so the kill can land between them and leave "step" alone at the end.
+    killed_at = int(proc.stdout.split(b"\n")[:-1][-1].split()[-1])
     got = run(directory)
     assert 0 < killed_at < TOTAL
     assert all(torch.equal(a, b) for a, b in zip(got["tensors"], want["tensors"], strict=True))
