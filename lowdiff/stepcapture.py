@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from . import capture
+from . import capture, tree
 from .compress import Compressed, decompress_into
 from .ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
 from .records import StepRecord
@@ -182,7 +182,8 @@ class StepCapture:
         tensors = list(capture.owned_model_state(self.model, self.foreign_keys).values())
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         tensors += list(self.residuals.values())
-        return sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors) + (1 << 20)
+        memories = {tree.same_memory(t) or id(t): t for t in tensors}   # tied weights are stored once
+        return sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in memories.values()) + (1 << 20)
 
     def restart(self, residuals: dict | None) -> None:
         """Continue from a restored state: its residuals (none: zero) and its boundary."""

@@ -12,11 +12,21 @@ _TENSOR_TAG = "__lowdiff_tensor__"
 
 
 def split_tensors(tree, prefix: str = ""):
-    """Return (skeleton, [(key, tensor)]): every tensor in ``tree`` replaced by a tagged key."""
+    """Return (skeleton, [(key, tensor)]): every tensor in ``tree`` replaced by a tagged key.
+
+    Tensors that are one memory (``same_memory``: tied weights, which ``state_dict()`` lists under
+    each name) are listed once, under the first path holding them, and every place holding them
+    names that key (docs/format.md, "state skeleton"): stored once, and joined back as one tensor."""
     tensors: list[tuple[str, torch.Tensor]] = []
+    first_key: dict = {}
 
     def walk(node, path):
         if isinstance(node, torch.Tensor):
+            memory = same_memory(node)
+            if memory is not None:
+                if memory in first_key:
+                    return {_TENSOR_TAG: first_key[memory]}
+                first_key[memory] = path
             tensors.append((path, node))
             return {_TENSOR_TAG: path}
         if isinstance(node, dict):
@@ -27,6 +37,18 @@ def split_tensors(tree, prefix: str = ""):
         return node
 
     return walk(tree, prefix), tensors
+
+
+def same_memory(tensor: torch.Tensor) -> tuple | None:
+    """What makes two tensors one memory: the same device, first element's address, dtype, shape,
+    strides and lazy conjugate/negative bits (then their values are the same at every moment).
+    None for tensors never joined: empty ones (no memory to share), other layouts, quantized ones
+    (their scales are not in this key) and subclasses (whose state is more than their memory)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided \
+            or tensor.is_quantized or tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(),
+            tensor.is_conj(), tensor.is_neg())
 
 
 def join_tensors(skeleton, lookup):

@@ -23,15 +23,20 @@ from lowdiff.demo import ShuffledSampler, state_digest
 
 
 class Net(torch.nn.Module):
-    def __init__(self, unused: bool):
+    def __init__(self, unused: bool, tied: bool = False):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
                                         torch.nn.Dropout(0.2), torch.nn.Linear(64, 64), torch.nn.ReLU())
         self.head = torch.nn.Linear(64, 4)
         self.unused = torch.nn.Linear(64, 4) if unused else None   # never in the graph
+        self.mirror = None
+        if tied:   # a second layer that is the body's 64x64 weight (one parameter, two state-dict names)
+            self.mirror = torch.nn.Linear(64, 64, bias=False)
+            self.mirror.weight = self.body[4].weight
 
     def forward(self, x):
-        return self.head(self.body(x))
+        h = self.body(x)
+        return self.head(h if self.mirror is None else h + self.mirror(h))
 
 
 def shared_digest(model, optimizer) -> str:
@@ -49,7 +54,7 @@ def shared_digest(model, optimizer) -> str:
 
 def build(args):
     torch.manual_seed(0)  # same initial weights on every rank
-    model = Net(unused=args.unused)
+    model = Net(unused=args.unused, tied=args.tied)
     flags = {"find_unused_parameters": args.unused, "gradient_as_bucket_view": args.bucket_view,
              "static_graph": args.static_graph}
     ddp = torch.nn.parallel.DistributedDataParallel(model, **flags) if args.world > 1 else model
@@ -128,6 +133,7 @@ def main():
     p.add_argument("--crash-at", type=int)
     p.add_argument("--crash-ranks", type=lambda s: {int(r) for r in s.split(",")}, default=set())
     p.add_argument("--unused", action="store_true")
+    p.add_argument("--tied", action="store_true", help="a layer tied to another (Net's mirror)")
     p.add_argument("--bucket-view", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--flush", action="store_true", help="flush after every step")
