@@ -34,7 +34,7 @@ def main():
     p.add_argument("--resume-only", action="store_true")
     args = p.parse_args()
     # partition_worker's build() reads these; this worker does not vary them
-    args.unused, args.bucket_view, args.static_graph = False, False, False
+    args.unused, args.bucket_view, args.static_graph, args.tied = False, False, False, False
     torch.set_num_threads(1)
     if args.world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
