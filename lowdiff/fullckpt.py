@@ -261,7 +261,7 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
             outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
                        for e in index.tensors}
             check(index, _state(path, index, skeleton, outline))
-        buffer, placed = read_payload(path, reader, index, verify, into or {})
+        buffer, placed = read_payload(path, reader, index.payload_bytes, index.tensors, verify, into or {})
     staging = buffer.tensor() if index.payload_bytes else torch.empty(0, dtype=torch.uint8)
     tensors = {}
     for entry in index.tensors:

@@ -25,7 +25,7 @@ import torch
 import fastio
 
 from .errors import CorruptCheckpointError
-from .format import PAYLOAD_OFFSET, FullIndex, TensorEntry
+from .format import PAYLOAD_OFFSET, TensorEntry
 from .records import dtype_name
 
 LOAD_CHUNK_BYTES = 32 << 20   # a read of this size per queue slot: deep enough, and verify starts early
@@ -56,11 +56,15 @@ def apart(placed: dict) -> dict:
     return {key: tensor for key, tensor in placed.items() if key in kept}
 
 
-def read_payload(path: str, reader, index: FullIndex, verify: bool, into: dict) -> tuple[fastio.AlignedBuffer, dict]:
-    """(buffer, placed): the payload's bytes, those of the entries in ``placed`` (key -> the live
-    tensor of ``into`` they were copied into) in the live tensors, the rest in ``buffer``.
-    Raises CorruptCheckpointError naming the tensor whose checksum fails."""
-    load = _Load(path, reader, index, verify, into)
+def read_payload(path: str, reader, payload_bytes: int, tensors, verify: bool, into: dict, *,
+                 buffer: fastio.AlignedBuffer | None = None, base: int = 0) -> tuple[fastio.AlignedBuffer, dict]:
+    """(buffer, placed): the ``payload_bytes`` at PAYLOAD_OFFSET of the file, holding ``tensors``
+    (TensorEntry, offsets absolute in the file); those of the entries in ``placed`` (key -> the
+    live tensor of ``into`` they were copied into) in the live tensors, the rest in ``buffer``
+    (new memory, or the caller's ``buffer`` from its page-aligned byte ``base`` on; its pages
+    that only placed bytes fall in are never touched). Raises CorruptCheckpointError naming the
+    tensor whose checksum fails."""
+    load = _Load(path, reader, payload_bytes, tensors, verify, into, buffer, base)
     try:
         load.run()
     finally:
@@ -69,22 +73,26 @@ def read_payload(path: str, reader, index: FullIndex, verify: bool, into: dict) 
 
 
 class _Load:
-    def __init__(self, path: str, reader, index: FullIndex, verify: bool, into: dict) -> None:
+    def __init__(self, path: str, reader, payload_bytes: int, tensors, verify: bool, into: dict,
+                 buffer: fastio.AlignedBuffer | None, base: int) -> None:
         self.path, self.reader, self.verify = path, reader, verify
-        self.total = index.payload_bytes
-        self.placed = apart({e.key: into[e.key] for e in index.tensors if e.key in into and placeable(e, into[e.key])})
-        self.entries = sorted(index.tensors, key=lambda e: e.offset + e.nbytes)   # in order of completion
-        self.live = sorted((e for e in index.tensors if e.key in self.placed), key=lambda e: e.offset)
+        self.total = payload_bytes
+        self.placed = apart({e.key: into[e.key] for e in tensors if e.key in into and placeable(e, into[e.key])})
+        self.entries = sorted(tensors, key=lambda e: e.offset + e.nbytes)   # in order of completion
+        self.live = sorted((e for e in tensors if e.key in self.placed), key=lambda e: e.offset)
         rest = [(e.offset - PAYLOAD_OFFSET, e.offset - PAYLOAD_OFFSET + e.nbytes)
-                for e in index.tensors if e.key not in self.placed and e.nbytes]
+                for e in tensors if e.key not in self.placed and e.nbytes]
         self.chunks = [(start, min(start + LOAD_CHUNK_BYTES, self.total))
                        for start in range(0, self.total, LOAD_CHUNK_BYTES)]
         # A chunk holding any byte of a tensor not placed goes to the buffer (its live part is
         # copied from there); one holding only placed tensors' bytes (and padding) to the ring.
         self.to_buffer = [any(s < chunk_end and chunk_start < e for s, e in rest)
                           for chunk_start, chunk_end in self.chunks]
-        self.buffer = fastio.aligned_buffer(self.total)
-        self.payload = self.buffer.view()
+        if base % fastio.ALIGN_BYTES:
+            raise ValueError(f"base {base} of the payload in its buffer is not page-aligned")
+        self.buffer = buffer if buffer is not None else fastio.aligned_buffer(self.total)
+        self.base = base
+        self.payload = self.buffer.view(base, base + self.total)
         self.crcs = {e.key: 0 for e in self.live}
         self.populated = [threading.Event() for _ in self.chunks]
         self.free_slots: queue.Queue = queue.Queue()
@@ -103,7 +111,7 @@ class _Load:
             if self.halt.is_set():
                 return
             if self.to_buffer[number]:
-                self.buffer.populate(start, end)
+                self.buffer.populate(self.base + start, self.base + end)
             self.populated[number].set()
 
     def _submit(self) -> None:

@@ -5,8 +5,10 @@ Rank 0 picks the candidate full sets (complete in the rank directories' manifest
 and sends the plan to every rank, so all ranks try the same sets in the same order. For a set of n
 shares and W resuming ranks, rank ``i mod W`` alone reads share i (its bytes of the shared payload,
 every piece's checksum checked, and its differential files) and sends them to the others; each rank
-reads its own per-rank part. The ranks then agree on which shares failed, and fall back together to
-an older set when one did. Every rank ends with the same bytes, so replay gives the same state on all.
+reads its own per-rank part. The shared tensors that the caller already holds (``into``: the live
+model, an optimizer with state) are read and received straight into them, the rest into one staging
+buffer. The ranks agree on which shares failed, and fall back together to an older set when one
+did. Every rank ends with the same bytes, so replay gives the same state on all.
 Without a process group (W = 1) the same code reads everything itself.
 """
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch.distributed as dist
 import fastio
 from lowdiff import tree
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, VersionMismatchError
-from lowdiff.format import PAGE, FullIndex, FullState
+from lowdiff.format import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
 from lowdiff.partition import describe_ranges, full_sets, rank_directory, read_views, retained_ranges, session_chain
+from lowdiff.payloadread import apart, placeable, read_payload
 from lowdiff.records import dtype_from_name
-from lowdiff.sharefile import read_diff_share_index, read_full_share_index, read_own, read_share_bytes_into
+from lowdiff.sharefile import read_diff_share_index, read_full_share_index, read_own
 
 from .replay import ReplayTimes, replay
 from .restore import Restored, warn
@@ -133,9 +136,8 @@ class _Loaded:
     path: str
 
 
-def _read_share(fset: FullSet, rank: int, world: int, own: int, staging, problems: dict):
-    """This rank's reads of ``fset``: every share's index, its assigned shares' bytes into
-    ``staging`` (allocated here once the size is known), its own per-rank part."""
+def _read_indexes(fset: FullSet, problems: dict) -> dict:
+    """Every share's index, checked to be of one set (a share that is not: ``problems``)."""
     indexes = {}
     for i, path in enumerate(fset.files):
         try:
@@ -144,57 +146,98 @@ def _read_share(fset: FullSet, rank: int, world: int, own: int, staging, problem
         except (CheckpointError, OSError, EOFError) as exc:
             problems[i] = f"{path} does not verify ({exc})"
     if problems:
-        return indexes, None, None
+        return indexes
     first = indexes[0]
     for i, index in indexes.items():
         if (index.step, index.session, index.run, index.count, index.layout) != \
                 (fset.step, fset.session, first.run, fset.count, first.layout):
             problems[i] = f"{fset.files[i]} is not a share of the same set as {fset.files[0]}"
-    if problems:
-        return indexes, None, None
-    staging = staging(first.shared_bytes)
-    for i in range(rank, fset.count, world):
-        try:
-            with fastio.Reader(fset.files[i]) as reader:
-                read_share_bytes_into(fset.files[i], reader, indexes[i],
-                                      staging.view(indexes[i].start, indexes[i].end))
-        except (CheckpointError, OSError, EOFError) as exc:
-            problems[i] = f"{fset.files[i]} does not verify ({exc})"
+    return indexes
+
+
+def _read_own_part(path: str, index, problems: dict, share: int):
+    """This rank's own per-rank part (tensors and state skeleton), or None (then ``problems``)."""
     try:
-        with fastio.Reader(fset.files[own]) as reader:
-            own_part = read_own(fset.files[own], reader, indexes[own])
+        with fastio.Reader(path) as reader:
+            return read_own(path, reader, index)
     except (CheckpointError, OSError, EOFError) as exc:
-        problems[own] = f"{fset.files[own]} does not verify ({exc})"
-        own_part = None
-    return indexes, staging, own_part
+        problems[share] = f"{path} does not verify ({exc})"
+        return None
 
 
-def _exchange_bytes(indexes: dict, staging, count: int, world: int) -> None:
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor (the same memory, no autograd)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _placement(layout: tuple, live: dict, world: int) -> dict:
+    """{key: live tensor} of the shared tensors read straight into the caller's tensors: those
+    ``payloadread.placeable`` and ``apart`` allow on every rank (the ranks exchange them piece by
+    piece into the same places, so they agree on the set first)."""
+    entries = [TensorEntry(e["offset"], e["nbytes"], key=e["key"], dtype=e["dtype"], shape=tuple(e["shape"]))
+               for e in layout]
+    wanted = apart({e.key: live[e.key] for e in entries if e.key in live and placeable(e, live[e.key])})
+    if world > 1:
+        mask = torch.tensor([e.key in wanted for e in entries], dtype=torch.int32)
+        dist.all_reduce(mask, op=dist.ReduceOp.MIN)
+        wanted = {e.key: wanted[e.key] for e, agreed in zip(entries, mask.tolist()) if agreed}
+    return wanted
+
+
+def _piece_target(piece, layout: dict, placed: dict) -> torch.Tensor:
+    """Where ``piece``'s bytes go in its live tensor."""
+    low = piece.offset - layout[piece.key]["offset"]
+    return _byte_view(placed[piece.key])[low:low + piece.nbytes]
+
+
+def _read_share_payload(path: str, index, layout: dict, placed: dict, staging) -> None:
+    """Share ``index``'s bytes of the shared payload: the pieces of placed tensors into them, the
+    rest into ``staging`` at their offsets in the shared payload; every piece's CRC-32C checked
+    in the same pass (payloadread)."""
+    entries = [TensorEntry(PAYLOAD_OFFSET + p.offset - index.start, p.nbytes, crc32c=p.crc32c, key=p.key,
+                           dtype="uint8", shape=(p.nbytes,)) for p in index.pieces]
+    into = {p.key: _piece_target(p, layout, placed) for p in index.pieces if p.key in placed}
+    with fastio.Reader(path) as reader:
+        _, got = read_payload(path, reader, index.end - index.start, entries, True, into, buffer=staging,
+                              base=index.start)
+    # Every rank receives these pieces in the live tensors: all must have been read there.
+    assert got.keys() == into.keys(), sorted(set(into) - set(got))
+
+
+def _exchange_bytes(indexes: dict, staging, layout: dict, placed: dict, count: int, world: int) -> None:
     """Send each share's bytes from the rank that read it to every other rank."""
     if world == 1:
         return
     whole = staging.tensor(indexes[0].shared_bytes) if indexes[0].shared_bytes else None
     for i in range(count):
-        start, end = indexes[i].start, indexes[i].end
-        if end > start:
-            assert whole is not None
-            dist.broadcast(whole[start:end], src=i % world)
+        for target in _exchange_targets(indexes[i].pieces, whole, layout, placed):
+            dist.broadcast(target, src=i % world)
 
 
-def _state_of(path: str, index, staging, own_part) -> FullState:
-    """The full state: shared tensors as views of ``staging``, own tensors from ``own_part``."""
-    payload = staging.tensor(index.shared_bytes) if index.shared_bytes else torch.empty(0, dtype=torch.uint8)
+def _exchange_targets(pieces, whole, layout: dict, placed: dict):
+    """Where a share's bytes go, in the order every rank sends and receives them: a placed
+    tensor's piece straight into that tensor, each run of other pieces into the staging buffer."""
+    run = None
+    for piece in pieces:
+        if piece.key in placed:
+            if run is not None:
+                yield whole[run[0]:run[1]]
+                run = None
+            yield _piece_target(piece, layout, placed)
+        else:
+            run = (piece.offset if run is None else run[0], piece.offset + piece.nbytes)
+    if run is not None:
+        yield whole[run[0]:run[1]]
+
+
+def _state_of(path: str, index, shared, own_part) -> FullState:
+    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``."""
     layout = {e["key"]: e for e in index.layout}
     own, objects = own_part
 
     def lookup(key):
         if key in layout:
-            e = layout[key]
-            dtype = dtype_from_name(e["dtype"], path)
-            if e["nbytes"] == 0:
-                return torch.empty(e["shape"], dtype=dtype)
-            view = payload[e["offset"]:e["offset"] + e["nbytes"]].view(dtype).view(e["shape"])
-            return view if e["nbytes"] >= PAGE else view.clone()
+            return shared(layout[key])
         if key in own:
             entry, data = own[key]
             dtype = dtype_from_name(entry.dtype, path)
@@ -204,28 +247,71 @@ def _state_of(path: str, index, staging, own_part) -> FullState:
     return FullState.from_tree(path, tree.join_tensors(tree.loads(objects, path), lookup))
 
 
-def _load_set(fset: FullSet, rank: int, world: int) -> _Loaded | None:
-    """The set's state on this rank, or None (every rank alike) when a share does not verify."""
+def _outline(path: str):
+    def shared(entry):
+        return torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"], path), device="meta")
+    return shared
+
+
+def _from_staging(path: str, payload: torch.Tensor, placed: dict):
+    def shared(entry):
+        if entry["key"] in placed:
+            return placed[entry["key"]]
+        dtype = dtype_from_name(entry["dtype"], path)
+        if entry["nbytes"] == 0:
+            return torch.empty(entry["shape"], dtype=dtype)
+        view = payload[entry["offset"]:entry["offset"] + entry["nbytes"]].view(dtype).view(entry["shape"])
+        return view if entry["nbytes"] >= PAGE else view.clone()
+    return shared
+
+
+def _give_up(fset: FullSet, problems: dict) -> None:
+    for share, why in sorted(problems.items()):
+        warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; falling back to an older set")
+
+
+def _load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded | None:
+    """The set's state on this rank, or None (every rank alike) when a share does not verify.
+
+    Indexes and this rank's own part come first: with them the state's outline is checked
+    (``check_full``) before a byte is read into the caller's tensors (``into()``, as
+    ``fullckpt.live_targets``). The shared tensors those hold are then read and exchanged straight
+    into them; the rest into one staging buffer. A share that fails its checksums after that
+    leaves part of its bytes in those tensors: the older set that resume falls back to overwrites
+    them, as a plain directory's does."""
     own = rank if rank < fset.count else 0
     problems: dict = {}
-    holder: dict = {}
-
-    def staging(nbytes):
-        holder["buffer"] = fastio.aligned_buffer(max(nbytes, PAGE))
-        return holder["buffer"]
-    indexes, buffer, own_part = _read_share(fset, rank, world, own, staging, problems)
+    indexes = _read_indexes(fset, problems)
+    own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own)
+    outline = None
+    if own_part is not None:
+        try:
+            outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part)
+        except CorruptCheckpointError as exc:
+            problems[own] = str(exc)
     problems = _agree_problems(problems, world)
     if problems:
-        for share, why in sorted(problems.items()):
-            warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; "
-                 f"falling back to an older set")
+        _give_up(fset, problems)
         return None
-    _exchange_bytes(indexes, buffer, fset.count, world)
-    try:
-        return _Loaded(indexes[own], _state_of(fset.files[own], indexes[own], buffer, own_part), fset.files[own])
-    except CorruptCheckpointError as exc:   # the same on every rank: all read the same bytes
-        warn(f"lowdiff: {exc}; falling back to an older set")
+    index = _full_index(indexes[own])
+    check_full(fset.files[own], index, outline)
+    first = indexes[0]
+    layout = {e["key"]: e for e in first.layout}
+    placed = _placement(first.layout, into() if into is not None else {}, world)
+    staging = fastio.aligned_buffer(max(first.shared_bytes, PAGE))
+    for i in range(rank, fset.count, world):
+        try:
+            _read_share_payload(fset.files[i], indexes[i], layout, placed, staging)
+        except (CheckpointError, OSError, EOFError) as exc:
+            problems[i] = f"{fset.files[i]} does not verify ({exc})"
+    problems = _agree_problems(problems, world)
+    if problems:
+        _give_up(fset, problems)
         return None
+    _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
+    payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
+    state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part)
+    return _Loaded(indexes[own], state, fset.files[own])
 
 
 def _exchange_indexes(root: str, fset: FullSet, rank: int, world: int) -> list:
@@ -332,10 +418,11 @@ def _replay_chain(root: str, fset: FullSet, index: FullIndex, rank: int, world: 
 
 
 def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimizer_for, stop_step=None,
-                        workers=None) -> tuple[Restored | None, bool]:
+                        workers=None, into=None) -> tuple[Restored | None, bool]:
     """Restore the newest state of the partitioned directory ``root`` (at or before ``stop_step``),
     on every rank of the process group alike. Returns (what was restored, or None when no complete
-    set exists; whether this rank got its own per-rank state back). Callbacks as recovery.restore."""
+    set exists; whether this rank got its own per-rank state back). Callbacks and ``into`` (the
+    live tensors the shared state is read straight into) as recovery.restore."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
     found = _broadcast_plan(root, stop_step, world)
@@ -345,14 +432,13 @@ def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimi
     skipped: list = []
     for fset in found.sets:
         started = time.perf_counter()
-        loaded = _load_set(fset, rank, world)
+        loaded = _load_set(fset, rank, world, check_full, into)
         if loaded is None:
             skipped.append((os.path.basename(fset.files[0]), f"a share of the full checkpoint of step {fset.step} "
                                                             f"does not verify"))
             continue
         load_s = time.perf_counter() - started
         index = _full_index(loaded.index)
-        check_full(loaded.path, index, loaded.state)
         own = rank < fset.count
         state = loaded.state if own else dataclasses.replace(loaded.state, rng={}, extra={}, residuals={})
         _note_world_change(fset, rank, world)

@@ -228,7 +228,7 @@ def _restore_any_layout(directory: str, targets: _Targets, step: int | None, wor
     if is_partitioned(directory):
         restored, own = restore_partitioned(directory, check_full=targets.check_full, apply_full=targets.apply_full,
                                             params_for=targets.params, optimizer_for=lambda index: targets.inner,
-                                            stop_step=step, workers=workers)
+                                            stop_step=step, workers=workers, into=targets.live_tensors)
         if restored is not None:
             if world > 1:
                 low, high = _agree(restored.step)

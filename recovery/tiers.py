@@ -51,7 +51,6 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
     (``into``). If its records or full checkpoints fail to verify and it ends before the other
     tier's reach, the other is restored, and the further of the two kept."""
     if is_partitioned(local) or is_partitioned(shared):
-        run.pop("into", None)   # recovery.distributed reads shares into new memory
         return restore_partitioned_tiers(local, shared, check_full=check_full, stop_step=stop_step, **run)
     directories = dict(zip(TIERS, (local, shared)))
     reach, errors = {}, {}
@@ -152,7 +151,7 @@ def _agreed_reach(directories: dict, stop_step: int | None) -> dict:
 
 
 def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step: int | None, apply_full, params_for,
-                              optimizer_for, workers=None) -> tuple[Restored | None, str, bool]:
+                              optimizer_for, workers=None, into=None) -> tuple[Restored | None, str, bool]:
     """Partitioned tiers (docs/format.md, "Partitioned directories with tiers"), on every rank of
     the process group alike: restore the tier whose newest complete set reaches furthest (the
     local one when equal) with recovery.distributed; if it ends before the other tier's plan, try
@@ -164,7 +163,7 @@ def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step:
         try:
             return restore_partitioned(directories[tier], check_full=check_full, apply_full=apply_full,
                                        params_for=params_for, optimizer_for=optimizer_for, stop_step=stop_step,
-                                       workers=workers)
+                                       workers=workers, into=into)
         except NoCheckpointError as exc:   # the same on every rank (the ranks agree on what failed)
             warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
             return None, True

@@ -134,6 +134,8 @@ def main():
     p.add_argument("--crash-ranks", type=lambda s: {int(r) for r in s.split(",")}, default=set())
     p.add_argument("--unused", action="store_true")
     p.add_argument("--tied", action="store_true", help="a layer tied to another (Net's mirror)")
+    p.add_argument("--warm", action="store_true",
+                   help="one step before resume: the optimizer has state (resume reads into it)")
     p.add_argument("--bucket-view", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--flush", action="store_true", help="flush after every step")
@@ -152,6 +154,10 @@ def main():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world)
     model, ddp, opt, sched, sampler = build(args)
+    if args.warm:
+        ddp(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
     if args.lowest_session:   # sets of two sessions at one step: the order of their names is not the answer
         lowdiff.store.secrets = types.SimpleNamespace(token_hex=lambda nbytes: "0" * (2 * nbytes))
     if args.travel:

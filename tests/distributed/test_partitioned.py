@@ -112,7 +112,7 @@ def test_damaged_or_missing_share_falls_back(tmp_path, reference, caplog):
     damaged.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
         start, shared = _resume_in_process(copy)
-    assert "fail their checksum" in caplog.text and "falling back" in caplog.text
+    assert "fails its checksum" in caplog.text and "falling back" in caplog.text
     assert start.full_step < int(newest[5:17]) and shared == ref[0][int(start)][1]
     damaged.unlink()                              # a missing share: the set is incomplete
     caplog.clear()
