@@ -23,17 +23,23 @@ one copy of the state at the device's speed, and what does a differential every 
    the same DDP training with the same hook and no lowdiff: --step-rounds rounds, each a run of
    both (order alternating); the overhead is the median of the rounds' paired ratios (the load of
    this machine drifts between rounds by more than the overhead), printed with their spread.
+   The model: --model mlp (default; 4 layers of --width, --batch samples) has the most parameters
+   per unit of compute, so the most checkpoint work per unit of training (lowdiff's cost per step
+   grows with the parameters, the step's with parameters x samples); --model quick (or another
+   preset of gpt.py) is a GPT-2-style language model's step.
 
 The load average (os.getloadavg) is printed with the tables: this machine is shared.
 
 Usage: python experiments/bench_distributed.py [--state-mib 384] [--repeat 5] [--persists 5] [--steps 60]
-       [--step-rounds 10] [--dir D] [--csv experiments/results/bench_distributed.csv]
+       [--step-rounds 10] [--model mlp|quick] [--steps-only] [--dir D]
+       [--csv experiments/results/bench_distributed.csv]
 Writes the tables to stdout and the rows to --csv.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import os
 import shutil
 import socket
@@ -51,6 +57,8 @@ import torch.multiprocessing as mp
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpt  # noqa: E402
 
 import fastio  # noqa: E402
 import lowdiff  # noqa: E402
@@ -293,11 +301,35 @@ class _TrainingThreadShare:
         self.lowdiff_hook_s += time.thread_time() - self._hook_started
 
 
-def _train_rank(rank, world, port, directory, steps, width, batch, mode, out):
+def step_model(name: str, width: int, batch: int | None, rank: int):
+    """(model, loss(module)) of the step benchmark: "mlp", 4 layers of width x width on ``batch``
+    random samples (64 by default), the most parameters per unit of compute, so the most
+    checkpointing per unit of training; or a GPT-2-style preset of experiments/gpt.py on
+    ``batch`` sequences (the preset's by default) of random tokens."""
+    if name == "mlp":
+        model = Mlp(width, 4)
+        x = torch.randn(batch or 64, width, generator=torch.Generator().manual_seed(rank))
+        return model, lambda module: module(x).square().mean()
+    cfg = gpt.PRESETS[name] if batch is None else dataclasses.replace(gpt.PRESETS[name], batch_size=batch)
+    model = gpt.build_model(cfg)
+    tokens, targets = gpt.batch(cfg, 0, seed=rank)
+    return model, lambda module: module(tokens, targets)
+
+
+def describe_step_model(args) -> str:
+    if args.model == "mlp":
+        return f"MLP 4x{args.width}x{args.width}, batch {args.batch or 64}"
+    cfg = gpt.PRESETS[args.model]
+    params = sum(p.numel() for p in gpt.build_model(cfg).parameters())
+    return (f"GPT-2-style {args.model} ({params / 1e6:.1f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}), "
+            f"batch {args.batch or cfg.batch_size} x {cfg.seq_len} tokens")
+
+
+def _train_rank(rank, world, port, directory, steps, model_args, mode, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Mlp(width, 4)
+    model, loss_of = step_model(*model_args, rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compressor = TopK(ratio=0.01)
@@ -310,7 +342,6 @@ def _train_rank(rank, world, port, directory, steps, width, batch, mode, out):
     else:
         hook = CompressedAllReduce(compressor, {}, params=list(model.parameters()))
         ddp.register_comm_hook(hook, CompressedAllReduce.hook)
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
     times, cpu, lowdiff_cpu, span_cpu, threads_cpu = [], [], [], [], []
     for _ in range(steps):
         # lowdiff's CPU time is counted over the whole iteration, barrier included (its background
@@ -319,7 +350,7 @@ def _train_rank(rank, world, port, directory, steps, width, batch, mode, out):
         own_started, threads_started = (share.seconds, _thread_cpu_s()) if share is not None else (0.0, 0.0)
         dist.barrier()
         started, cpu_started = time.perf_counter(), time.process_time()
-        ddp(x).square().mean().backward()
+        loss_of(ddp).backward()
         if share is not None:
             share.around_step(opt)
         else:
@@ -356,8 +387,8 @@ def bench_steps(args) -> dict:
         medians, cpu_medians = {}, {}
         for mode in order:
             target = tempfile.mkdtemp(dir=args.dir)
-            times, cpu, own, spans, threads = run_world(_train_rank, 2, target, args.steps + warm, args.width,
-                                                        args.batch, mode)
+            times, cpu, own, spans, threads = run_world(_train_rank, 2, target, args.steps + warm,
+                                                        (args.model, args.width, args.batch), mode)
             if mode == "lowdiff":
                 # lowdiff's own CPU time against the rest of the process's over the same steps:
                 # measured within one run, so this machine's speed of the moment cancels out.
@@ -388,10 +419,14 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="timed DDP steps per round")
     parser.add_argument("--step-rounds", type=int, default=10, help="rounds of the step benchmark (a run of each "
                                                                     "mode per round)")
+    parser.add_argument("--model", default="mlp", choices=["mlp", *gpt.PRESETS],
+                        help="the step benchmark's model: an MLP (most parameters per unit of compute) or a "
+                             "GPT-2-style preset of experiments/gpt.py")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (4 layers) for the step benchmark")
-    parser.add_argument("--batch", type=int, default=64, help="samples per rank and step of the step benchmark: "
-                                                              "lowdiff's cost per step grows with the parameters, "
-                                                              "the step's compute with parameters x samples")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="samples (MLP, default 64) or sequences (GPT, default the preset's) per rank and step "
+                             "of the step benchmark: lowdiff's cost per step grows with the parameters, the "
+                             "step's compute with parameters x samples")
     parser.add_argument("--steps-only", action="store_true", help="only the step benchmark (part 2)")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary "
                                                     "directory under experiments/results)")
@@ -457,7 +492,7 @@ def report_steps(args) -> dict:
     ratios = sorted(steps["ratios"])
     overhead = statistics.median(ratios) - 1
     pooled = steps["lowdiff"] / steps["baseline"] - 1
-    print(f"\nDDP step, 2 ranks (gloo), MLP 4x{args.width}x{args.width}, batch {args.batch}, TopK(0.01), "
+    print(f"\nDDP step, 2 ranks (gloo), {describe_step_model(args)}, TopK(0.01), "
           f"{args.step_rounds} rounds of {args.steps} steps per mode (load average now {os.getloadavg()[0]:.2f})")
     print(f"  DDP + same compression, no checkpoints   {steps['baseline'] * 1e3:8.2f} ms (median of all steps)")
     print(f"  lowdiff, a differential every step        {steps['lowdiff'] * 1e3:8.2f} ms (median of all steps)   "
