@@ -480,7 +480,8 @@ def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float,
           f"{'page cache dropped before each' if cache else 'page cache NOT dropped'}; load average {load_average()}")
     table(rows, ["method", "seconds", "bytes", "of device bw", "cpu_s", "page_faults"])
     with_state = by_name["lowdiff into model + AdamW with state"]
-    print(f"device read of this file {size / device_s / 2**30:.2f} GiB/s (the bandwidth over the chain's files: "
+    print(f"device read of this file {size / device_s / 2**30:.2f} GiB/s (the read bandwidth measured earlier "
+          f"in this run: "
           f"{bandwidth / 2**30:.2f} GiB/s); lowdiff load_full at {device_s / ours:.2f} of the device's read bandwidth, "
           f"into a model + AdamW with state at {device_s / with_state:.2f} (target >= 0.9); load_full at "
           f"{fresh / ours:.2f} of a bare read into fresh memory")
