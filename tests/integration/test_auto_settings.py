@@ -2,11 +2,11 @@
 change in the middle of a run (as the controller's decisions do) leave every step replayable."""
 import numpy as np
 import torch
+from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 import lowdiff
 import recovery
 from lowdiff.demo import state_digest
-from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 STEPS = 40
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 
+from lowdiff_helpers import build, train_steps, wrap
+
 import recovery
 from lowdiff.demo import state_digest
-from lowdiff_helpers import build, train_steps, wrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

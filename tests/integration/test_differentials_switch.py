@@ -5,10 +5,10 @@ measurements are kept in CONTROLLER.json for the next session."""
 import json
 
 import pytest
+from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 import recovery
 from lowdiff.errors import NoCheckpointError
-from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 STEPS = 30
 

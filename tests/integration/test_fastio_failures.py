@@ -11,10 +11,10 @@ import sys
 import textwrap
 
 import pytest
+from fastio_helpers import aligned_copy, listing, random_bytes, temp_files
 
 import fastio
 from fastio._engine import Ticket
-from fastio_helpers import aligned_copy, listing, random_bytes, temp_files
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,12 +12,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from fastio_helpers import SpyEngine, aligned_copy, listing, random_bytes, read_back, unaligned_copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastio
-from fastio_helpers import (SpyEngine, aligned_copy, listing, random_bytes, read_back,
-                            unaligned_copy)
 
 SIZES = [0, 1, 4095, 4096, 4097, (1 << 20) + 1]
 
@@ -66,7 +65,7 @@ def test_many_small_writes(tmp_path, rng, backend):
     expected = bytearray()
     path = tmp_path / "small.bin"
     with fastio.Writer(path, config, engine=backend) as writer:
-        for i in range(6000):
+        for _ in range(6000):
             piece = random_bytes(rng, int(rng.integers(0, 200))).tobytes()
             align = int(rng.choice([1, 1, 1, 8, 64, 4096]))
             if align > 1 and len(expected) % align:

@@ -30,14 +30,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import (
+    MANIFEST,
+    RECORD_HEADER_SIZE,
+    REPO,
+    TIMEOUT_S,
+    Trainer,
+    assert_nothing_valid_deleted,
+    batch_records,
+    durable_step,
+    env,
+    flip_bit,
+    full_tensor_ranges,
+    inventory,
+    raise_failures,
+    read_digests,
+    resume_like_a_restart,
+    retired_entries,
+    run_scenarios,
+    verify,
+)
 
 import lowdiff
 import recovery
 from lowdiff import demo, faults
 from lowdiff.demo import build, compressor_from, forward_backward, state_digest
-from fault_helpers import (MANIFEST, REPO, TIMEOUT_S, Trainer, assert_nothing_valid_deleted, batch_records,
-                           durable_step, env, flip_bit, full_tensor_ranges, inventory, raise_failures, read_digests,
-                           resume_like_a_restart, retired_entries, run_scenarios, verify, RECORD_HEADER_SIZE)
 
 STEPS = 30                 # crash chains of the default selection
 REF_STEPS = 40             # the reference run (soak chains train this far)

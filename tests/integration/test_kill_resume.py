@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lowdiff_helpers import build, train_steps, wrap
 
 import recovery
 from lowdiff import cli
 from lowdiff.demo import state_digest
-from lowdiff_helpers import build, train_steps, wrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
@@ -78,7 +78,7 @@ def references(tmp_path_factory):
         return cache[key]
 
     yield get
-    for path, log, proc in procs.values():
+    for _path, log, proc in procs.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -291,7 +291,8 @@ def test_killed_after_the_base_checkpoint_of_a_resumed_session(tmp_path):
     model, opt, sched, sampler = build()
     opt = wrap(str(tmp_path / "ckpt"), model, opt, sched, sampler)
     digests = {}
-    train_steps(model, opt, sched, sampler, 0, 8, lambda s: digests.setdefault(s, state_digest(model, opt, sched, sampler)))
+    train_steps(model, opt, sched, sampler, 0, 8,
+                lambda s: digests.setdefault(s, state_digest(model, opt, sched, sampler)))
     opt.close()
 
     model, opt, sched, sampler = build()

@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
+from lowdiff_helpers import build
 
 import lowdiff
 import recovery
 from lowdiff import replica as replica_module
 from lowdiff.demo import batch, state_digest
 from lowdiff.manifest import read_manifest
-from lowdiff_helpers import build
 
 HANG_GUARD_S = 60   # only against hangs; nothing is timed
 

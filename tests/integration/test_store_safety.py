@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 import lowdiff
 import recovery
 from lowdiff import cli
 from lowdiff.demo import state_digest
 from lowdiff.manifest import MANIFEST_NAME, read_manifest
-from lowdiff_helpers import build, reference_digests, train_steps, wrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +38,8 @@ def train(directory, start, stop, digests=None, **options):
     try:
         resumed = recovery.resume(directory, model, opt)
         assert resumed == start, f"resumed at {resumed}, expected {start}"
-        record = None if digests is None else (lambda s: digests.__setitem__(s, state_digest(model, opt, sched, sampler)))
+        record = None if digests is None else \
+            (lambda s: digests.__setitem__(s, state_digest(model, opt, sched, sampler)))
         train_steps(model, opt, sched, sampler, resumed, stop, record)
     finally:
         opt.close()

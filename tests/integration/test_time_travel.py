@@ -8,12 +8,12 @@ import logging
 
 import pytest
 import torch
+from lowdiff_helpers import build, reference_digests, train_directory, train_steps, wrap
 
 import lowdiff
 import recovery
 from lowdiff.demo import state_digest
 from lowdiff.manifest import read_manifest
-from lowdiff_helpers import build, reference_digests, train_directory, train_steps, wrap
 
 STEPS = 23   # lowdiff_helpers: full_every 6, batch_steps 3, keep_full 4: fulls 0, 6, 12, 18
 

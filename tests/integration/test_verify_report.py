@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+from lowdiff_helpers import train_directory
+
 import recovery
 from lowdiff.manifest import read_manifest
 from lowdiff.records import RECORD_HEADER
-from lowdiff_helpers import train_directory
 
 STEPS = 23   # fulls 0, 6, 12, 18 (keep_full 4); batches of 3
 

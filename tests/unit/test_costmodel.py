@@ -4,8 +4,15 @@ import math
 
 import pytest
 
-from lowdiff.costmodel import (Costs, Limits, checkfreq_full_every, evaluate, replay_estimate, solve,
-                               young_daly_full_every)
+from lowdiff.costmodel import (
+    Costs,
+    Limits,
+    checkfreq_full_every,
+    evaluate,
+    replay_estimate,
+    solve,
+    young_daly_full_every,
+)
 
 PER_HOUR = 1 / 3600
 

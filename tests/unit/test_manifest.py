@@ -15,8 +15,18 @@ from hypothesis import strategies as st
 import lowdiff
 from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
 from lowdiff.inventory import load_view
-from lowdiff.manifest import (MANIFEST_NAME, BatchEntry, FullEntry, Manifest, chain_end, diff_name, full_name,
-                              plan_chain, read_manifest, write_manifest)
+from lowdiff.manifest import (
+    MANIFEST_NAME,
+    BatchEntry,
+    FullEntry,
+    Manifest,
+    chain_end,
+    diff_name,
+    full_name,
+    plan_chain,
+    read_manifest,
+    write_manifest,
+)
 from lowdiff.store import CheckpointStore
 
 

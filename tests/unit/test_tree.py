@@ -27,7 +27,8 @@ def same(a, b):
         for k in a:
             same(a[k], b[k])
     elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     elif isinstance(a, float) and math.isnan(a):
         assert math.isnan(b)
     else:

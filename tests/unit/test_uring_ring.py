@@ -15,9 +15,10 @@ try:
 except OSError as exc:  # seccomp, kernel.io_uring_disabled, old kernel
     pytest.skip(f"io_uring unavailable: {exc}", allow_module_level=True)
 
-from fastio._config import FastioConfig  # noqa: E402
 from fastio._uring import Ring  # noqa: E402
+
 import fastio._uring_engine as uring_engine  # noqa: E402
+from fastio._config import FastioConfig  # noqa: E402
 
 SIZES = [1, 7, 4095, 4096, 4097, (1 << 20) + 3]
 
