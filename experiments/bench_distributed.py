@@ -461,6 +461,7 @@ def report(args) -> int:
         writer.writerow(["layout", "ranks", "bytes", "seconds", "bytes_per_s", "x_device", "x_device_w_writers",
                          "first_persist_s"])
         writer.writerows(rows)
+        writer.writerow(["step_model", 2, "", describe_step_model(args), "", "", "", ""])
         writer.writerow(["step_baseline_s", 2, "", steps["baseline"], "", "", "", ""])
         writer.writerow(["step_lowdiff_s", 2, "", steps["lowdiff"], "", "", "", ""])
         writer.writerow(["step_overhead_paired_median", 2, "", overhead, "", "", "", ""])

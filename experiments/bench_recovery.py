@@ -162,14 +162,16 @@ def timed_resume(directory: str, model_name: str, **options):
 RESUMES = (("resume workers=1", {"workers": 1}), ("resume (default)", {}))
 
 
-def resume_rows(directory: str, args, ckpt_bytes: int, bandwidths: list) -> list:
-    """One row per entry of RESUMES: of ``--resume-rounds`` rounds (the order alternating), the
-    round with the median time; its "rounds" column lists every round's seconds. On a shared
-    machine one resume can take 1.5x another of the same code: one round decides nothing. Before
-    each round the device's read bandwidth over the chain's files is measured again (appended to
-    ``bandwidths``): this disk's speed drifts by 2x within an hour, so each round is also set
-    against the bound of its own moment (the "bound" column lists those)."""
+def resume_rows(directory: str, args, ckpt_bytes: int, bandwidths: list) -> tuple[list, list]:
+    """(one row per entry of RESUMES, [(seconds, read bandwidth of its round)] of the default
+    resume). Of ``--resume-rounds`` rounds (the order alternating) a row is the round with the
+    median time; its "rounds" column lists every round's seconds. On a shared machine one resume
+    can take 1.5x another of the same code: one round decides nothing. Before each round the
+    device's read bandwidth over the chain's files is measured again (appended to ``bandwidths``):
+    this disk's speed drifts by 2x within an hour, so each round can also be set against the bound
+    of its own moment."""
     runs: dict = {name: [] for name, _ in RESUMES}
+    default_rounds = []
     for round_ in range(args.resume_rounds):
         bandwidths.append(checkpoint_read_bandwidth(directory))
         for name, options in (RESUMES if round_ % 2 == 0 else RESUMES[::-1]):
@@ -180,8 +182,9 @@ def resume_rows(directory: str, args, ckpt_bytes: int, bandwidths: list) -> list
                                "load_s": round(result.load_s, 3), "read_s": round(result.read_s, 3),
                                "decode_s": round(result.decode_s, 3), "apply_s": round(result.apply_s, 3),
                                "opt_steps_s": round(resume_steps_s, 3),
-                               "beyond_steps_s": round(seconds - resume_steps_s, 3),
-                               "bandwidth": bandwidths[-1]})
+                               "beyond_steps_s": round(seconds - resume_steps_s, 3)})
+            if not options:   # the default resume
+                default_rounds.append((seconds, bandwidths[-1]))
             if args.resume_rounds > 1:
                 log(f"  resume round {round_ + 1}/{args.resume_rounds}: {name} {seconds:.2f} s")
     rows = []
@@ -189,10 +192,8 @@ def resume_rows(directory: str, args, ckpt_bytes: int, bandwidths: list) -> list
         ordered = sorted(runs[name], key=lambda row: row["seconds"])
         row = dict(ordered[(len(ordered) - 1) // 2])
         row["rounds"] = " ".join(f"{r['seconds']:.2f}" for r in runs[name])
-        row["round_bounds"] = [ckpt_bytes / r["bandwidth"] for r in runs[name]]   # + the steps, by the caller
-        row["round_seconds"] = [r["seconds"] for r in runs[name]]
         rows.append(row)
-    return rows
+    return rows, default_rounds
 
 
 def checkpoint_read_bandwidth(directory: str, chunk: int = 256 << 20) -> float:
@@ -313,26 +314,22 @@ def run(args, work: str) -> int:
     step_s = optimizer_step_s(args.model)
     ckpt_bytes = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
     naive_bytes = sum(os.path.getsize(os.path.join(naive_dir, n)) for n in os.listdir(naive_dir))
-    # The device's read bandwidth over these very files, before the recoveries (this pass also lets
-    # the device settle after the run's writes) and again after them: the faster of the two makes
-    # the lower bound (the tighter one).
+    # The device's read bandwidth over these very files: before the recoveries (this pass also lets
+    # the device settle after the run's writes), before each resume round and at the end. The
+    # fastest pass makes the lower bound (the tighter one).
     bandwidths = [checkpoint_read_bandwidth(directory)]
     log("measuring recoveries ...")
     rows = []
     drop_caches()
     naive_s, steps_s = naive_recovery(naive_dir, args.model, args.chain)
     rows.append({"method": "naive (torch.save/load)", "seconds": naive_s, "bytes": naive_bytes})
-    rows += resume_rows(directory, args, ckpt_bytes, bandwidths)
+    resumes, default_rounds = resume_rows(directory, args, ckpt_bytes, bandwidths)
+    rows += resumes
     bandwidths.append(checkpoint_read_bandwidth(directory))
     bandwidth = max(bandwidths)
     # Each round of the default resume against the bound of its own moment (the read bandwidth
     # measured just before that round, the naive recovery's optimizer steps).
-    paired = sorted(seconds / (read_s + steps_s) for seconds, read_s in
-                    zip(rows[2].pop("round_seconds"), rows[2].pop("round_bounds")))
-    for row in rows[1:3]:
-        row.pop("round_seconds", None)
-        row.pop("round_bounds", None)
-        row.pop("bandwidth", None)
+    paired = sorted(seconds / (ckpt_bytes / round_bandwidth + steps_s) for seconds, round_bandwidth in default_rounds)
     resume_steps_s = rows[2]["opt_steps_s"]
     rows[0].update(opt_steps_s=round(steps_s, 3), beyond_steps_s=round(naive_s - steps_s, 3))
     bound = ckpt_bytes / bandwidth + steps_s

@@ -41,7 +41,6 @@ class RecoveryPlan:
     index: FullIndex
     state: FullState           # its contents, verified
     chain: tuple               # (BatchEntry, open BatchReader) continuing it, in step order
-    reach_step: int            # the last step the chain's files list (records may still fail to verify)
     stop_step: int | None      # the target, None for the newest
     skipped: tuple             # (file, why) of newer files that were not used
     newest_step: int           # the newest step the directory's files reach (what resuming earlier abandons)
@@ -163,7 +162,7 @@ def _plan_once(directory, check_full, stop_step, into):
             _close_all(chain)
             raise NoCheckpointError(f"{directory}: step {stop_step} cannot be rebuilt: the files after the full "
                                     f"checkpoint of step {full.step} reach only step {reach}")
-        return RecoveryPlan(directory, full, index, state, tuple(chain), reach, stop_step, tuple(skipped),
+        return RecoveryPlan(directory, full, index, state, tuple(chain), stop_step, tuple(skipped),
                             manifest.durable_step(), load_s)
     if skipped or manifest.batches:
         raise NoCheckpointError(f"{directory}: no full checkpoint verifies" +

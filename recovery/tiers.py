@@ -102,12 +102,11 @@ def _restore_furthest(directories: dict, reach: dict, attempt, errors: dict | No
         return None, "local", True
     best = order[0]
     if best == "shared":
-        local = "local"
-        why = (f"{errors[local]}" if errors and local in errors else
-               "it has no full checkpoint to resume from" if reach.get(local, -1) < 0 else
-               f"it reaches step {reach[local]}, the shared tier step {reach['shared']}")
+        why = (f"{errors['local']}" if errors and "local" in errors else
+               "it has no full checkpoint to resume from" if reach.get("local", -1) < 0 else
+               f"it reaches step {reach['local']}, the shared tier step {reach['shared']}")
         warn(f"lowdiff: resuming from the shared tier {directories['shared']}: the local tier "
-             f"{directories[local]} is not used ({why})")
+             f"{directories['local']} is not used ({why})")
     restored, own = attempt(best)
     if len(order) == 1 or (restored is not None and restored.step >= reach[order[1]]):
         return _said(restored, best, own)
