@@ -23,6 +23,7 @@ import time
 import fastio
 from lowdiff.apply import GradientBuffers, machine_cores, replay_workers
 from lowdiff.errors import CorruptCheckpointError
+from lowdiff.heapreuse import keep_freed_memory
 
 from .progress import Progress
 
@@ -152,7 +153,10 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     buffers = GradientBuffers(params)
     memory = _RecordMemory()
     held = None   # the read buffer of the last record applied (its record is returned)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
+    # keep_freed_memory: each optimizer step reuses the pages of the temporaries the last one freed
+    # instead of faulting new ones in (lowdiff.heapreuse: about 1.6-2.5x faster steps on a CPU).
+    with keep_freed_memory(), \
+            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
         try:
             _fill(in_flight, tasks, pool, window, buffers, times, memory)
             while in_flight:

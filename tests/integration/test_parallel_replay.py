@@ -202,3 +202,23 @@ def test_large_records_in_flight_stay_within_window_bytes(tmp_path, monkeypatch)
     step, state = resumed(directory, "adam", 2)
     assert step == STEPS and same(state, trained)
     assert most[0] == 2, most[0]
+
+
+def test_the_replays_steps_run_with_freed_memory_kept_and_it_ends_with_the_replay(tmp_path):
+    from lowdiff import heapreuse
+    if not heapreuse.tuning_allowed():
+        pytest.skip("malloc tuning is not available or switched off here")
+    directory = str(tmp_path / "ckpt")
+    trained = train(directory, "adam", lowdiff.TopK(ratio=0.1, min_numel=128))
+    model, opt, scaler = build("adam")
+    seen = []
+    inner = opt.step
+
+    def step(*args, **kwargs):
+        seen.append(heapreuse.active())
+        return inner(*args, **kwargs)
+    opt.step = step
+    assert recovery.resume(directory, model, opt, grad_scaler=scaler) == STEPS
+    assert seen and all(seen), seen
+    assert not heapreuse.active()
+    assert same(state_of(model, opt), trained)
