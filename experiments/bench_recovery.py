@@ -3,7 +3,8 @@ physical lower bound, measured in one run on one disk; and full-checkpoint load 
 
 One directory holds a full checkpoint at step 0 and CHAIN differentials (TopK, batch 10) of a
 GPT-2-style model trained with AdamW (gradients are synthetic: recovery cost does not depend on
-where a gradient came from). Measured, page cache dropped before each recovery (root):
+where a gradient came from). Measured, page cache dropped before each recovery (root), each
+recovery in a new process (as after a failure):
 
   naive        the full state and each differential saved with torch.save, recovered with
                torch.load, one differential loaded and applied at a time
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
 import os
 import resource
 import shutil
@@ -153,8 +155,9 @@ def _naive_recovery(naive_dir: str, model_name: str, chain: int) -> tuple[float,
     return time.perf_counter() - started, stepping
 
 
-def timed_resume(directory: str, model_name: str, **options):
-    """(seconds, Resumed, seconds inside the optimizer's own steps during that resume)."""
+def timed_resume(directory: str, model_name: str, **options) -> dict:
+    """One resume in this process: its seconds, the step it reached, its read / decode / apply
+    split and the seconds inside the optimizer's own steps (``opt_steps_s``)."""
     model = build_model(model_name, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inner_step, stepping = opt.step, [0.0]
@@ -168,7 +171,21 @@ def timed_resume(directory: str, model_name: str, **options):
     opt.step = timed_step
     started = time.perf_counter()
     result = recovery.resume(directory, model, opt, **options)
-    return time.perf_counter() - started, result, stepping[0]
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "step": int(result), "load_s": result.load_s, "read_s": result.read_s,
+            "decode_s": result.decode_s, "apply_s": result.apply_s, "opt_steps_s": stepping[0]}
+
+
+def in_new_process(function: str, *args, **kwargs):
+    """``function(*args, **kwargs)`` of this module, run in a new interpreter; its JSON result.
+    Every recovery is timed in its own process, as one after a failure runs: in a process that
+    has recovered before, what the earlier recoveries allocated and freed decides where the next
+    one's memory comes from, and so how fast its optimizer steps run (measured 2x apart)."""
+    code = (f"import sys, json; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import torch; torch.set_num_threads({torch.get_num_threads()}); import bench_recovery; "
+            f"print(json.dumps(bench_recovery.{function}(*{args!r}, **{kwargs!r})))")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 RESUMES = (("resume workers=1", {"workers": 1}), ("resume (default)", {}))
@@ -188,13 +205,13 @@ def resume_rows(directory: str, args, ckpt_bytes: int, bandwidths: list) -> tupl
         bandwidths.append(checkpoint_read_bandwidth(directory))
         for name, options in (RESUMES if round_ % 2 == 0 else RESUMES[::-1]):
             drop_caches()
-            seconds, result, resume_steps_s = timed_resume(directory, args.model, **options)
-            assert result == args.chain, result
+            result = in_new_process("timed_resume", directory, args.model, **options)
+            assert result["step"] == args.chain, result
+            seconds = result["seconds"]
             runs[name].append({"method": name, "seconds": seconds, "bytes": ckpt_bytes,
-                               "load_s": round(result.load_s, 3), "read_s": round(result.read_s, 3),
-                               "decode_s": round(result.decode_s, 3), "apply_s": round(result.apply_s, 3),
-                               "opt_steps_s": round(resume_steps_s, 3),
-                               "beyond_steps_s": round(seconds - resume_steps_s, 3)})
+                               **{k: round(result[k], 3) for k in ("load_s", "read_s", "decode_s", "apply_s",
+                                                                    "opt_steps_s")},
+                               "beyond_steps_s": round(seconds - result["opt_steps_s"], 3)})
             if not options:   # the default resume
                 default_rounds.append((seconds, bandwidths[-1]))
             if args.resume_rounds > 1:
@@ -333,7 +350,7 @@ def run(args, work: str) -> int:
     log("measuring recoveries ...")
     rows = []
     drop_caches()
-    naive_s, steps_s = naive_recovery(naive_dir, args.model, args.chain)
+    naive_s, steps_s = in_new_process("naive_recovery", naive_dir, args.model, args.chain)
     rows.append({"method": "naive (torch.save/load)", "seconds": naive_s, "bytes": naive_bytes,
                  "opt_steps_s": round(steps_s, 3), "beyond_steps_s": round(naive_s - steps_s, 3)})
     resumes, default_rounds = resume_rows(directory, args, ckpt_bytes, bandwidths)
@@ -341,7 +358,7 @@ def run(args, work: str) -> int:
     # The naive recovery again with its steps where resume runs its own (freed memory kept): how
     # much of resume's gain is the allocator's alone, and the fastest timing of these very steps.
     drop_caches()
-    kept_s, kept_steps_s = naive_recovery(naive_dir, args.model, args.chain, keep_memory=True)
+    kept_s, kept_steps_s = in_new_process("naive_recovery", naive_dir, args.model, args.chain, keep_memory=True)
     rows.append({"method": "naive, freed memory kept", "seconds": kept_s, "bytes": naive_bytes,
                  "opt_steps_s": round(kept_steps_s, 3), "beyond_steps_s": round(kept_s - kept_steps_s, 3)})
     bandwidths.append(checkpoint_read_bandwidth(directory))
@@ -518,10 +535,9 @@ def scaling_rows(directory: str, args) -> list:
     rows = []
     for length in [int(v) for v in args.lengths.split(",") if int(v) <= args.chain]:
         drop_caches()
-        seconds, result, _ = timed_resume(directory, args.model, step=length)
-        rows.append({"method": f"resume step={length}", "chain": length, "seconds": round(seconds, 3),
-                     "load_s": round(result.load_s, 3), "read_s": round(result.read_s, 3),
-                     "decode_s": round(result.decode_s, 3), "apply_s": round(result.apply_s, 3)})
+        result = in_new_process("timed_resume", directory, args.model, step=length)
+        rows.append({"method": f"resume step={length}", "chain": length, "seconds": round(result["seconds"], 3),
+                     **{k: round(result[k], 3) for k in ("load_s", "read_s", "decode_s", "apply_s")}})
     print(f"\nrecovery time versus chain length (time travel on one directory); load average {load_average()}")
     table(rows, ["chain", "seconds", "load_s", "read_s", "decode_s", "apply_s"])
     return rows
