@@ -5,10 +5,10 @@ AdamW: two per parameter per step). glibc serves a request above its mmap thresh
 raised to at most 32 MiB as such blocks are freed) with a new mapping and unmaps it on free, and
 trims the top of its heap once more than twice that is free there; so a replay step faults its
 temporaries in again, page by page, every time. Measured (GPT-2 124M, AdamW, 2 cores): a step takes
-245-375 ms with 75,000-185,000 minor faults, depending on where the dynamic thresholds happen to
-stand in that process; with every size served from the heap and nothing trimmed it takes 150 ms
-with none. That is why the replay's steps ran 2-2.5x slower inside a resume than in another
-process doing the very same steps.
+245-390 ms with 75,000-185,000 minor faults, depending on where the dynamic thresholds happen to
+stand in that process; with every size served from the heap and nothing trimmed, 140-190 ms with
+none. That is why the replay's steps ran 2-2.5x slower inside a resume than in another process
+doing the very same steps.
 
 ``keep_freed_memory()`` sets that while it is entered (M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB): each
 step reuses the pages the previous step freed. On leaving, mappings are allowed again and the
