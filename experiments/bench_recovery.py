@@ -20,11 +20,11 @@ recovery in a new process (as after a failure):
                same gradients, same optimizer state)
   full-load    lowdiff's full-checkpoint load (read + verify) against an O_DIRECT read of the same file
                by the same engine (queue depth, chunks) into memory already faulted in (the device's
-               speed) and into new memory, interleaved rounds with CPU time and page faults; the
-               load into a model with a fresh AdamW (a new process: the optimizer's state must be
-               made) and with an AdamW that has state (a process that trained: it can be written in
-               place), each against torch.distributed.checkpoint's documented load (get_state_dict,
-               dcp.load, set_state_dict) into the same objects
+               speed) and into new memory, interleaved rounds (each case in a new process) with CPU
+               time and page faults; the load into a model with a fresh AdamW (the optimizer's state
+               must be made) and with an AdamW that has state (a process that trained: it can be
+               written in place), each against torch.distributed.checkpoint's documented load
+               (get_state_dict, dcp.load, set_state_dict) into the same objects
 
 Then recovery time versus chain length (time travel: resume(step=K) on the same directory) with the
 read / decode / apply split. Prints tables and ratios; --csv writes the rows.
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import json
 import os
 import resource
@@ -49,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -443,28 +445,27 @@ def measured(fn, cache: bool) -> tuple[float, float, int]:
     return elapsed, cpu, after.ru_minflt - before.ru_minflt
 
 
-def full_load_cases(path: str, dcp_path: str, model_name: str) -> dict:
-    """What is timed, each with the page cache dropped: the same file's bytes read by one fastio
-    O_DIRECT request (the engine's chunking and queue depth, as load_full uses) into memory that
-    is already faulted in (the device's speed) and into new memory (what any loader that creates
-    the state pays for first-touch page faults); new memory populated alone (MAP_POPULATE: the
-    machine's rate of making pages, the bound of any load into new memory); load_full; load_full
-    into a live model + AdamW. Each returns what it made, freed after the clock stops."""
+FULL_LOAD_CASES = ("device read, prefaulted memory", "populate new memory alone", "device read, fresh memory",
+                   "lowdiff load_full (read + verify)", "lowdiff into model + fresh AdamW",
+                   "DCP into model + fresh AdamW", "lowdiff into model + AdamW with state",
+                   "DCP into model + AdamW with state")
+
+
+def full_load_case(path: str, dcp_path: str, model_name: str, name: str):
+    """The function timed as case ``name``, with what it needs made first (untimed), each with the
+    page cache dropped: the same file's bytes read by one fastio O_DIRECT request (the engine's
+    chunking and queue depth, as load_full uses) into memory that is already faulted in (the
+    device's speed) and into new memory (what any loader that creates the state pays for
+    first-touch page faults); new memory populated alone (MAP_POPULATE: the machine's rate of
+    making pages, the bound of any load into new memory); load_full; load_full into a live model
+    + AdamW; DCP's load into the same objects. It returns what it made, freed after the clock
+    stops."""
     size = os.path.getsize(path) // 4096 * 4096
-    prefaulted = fastio.aligned_buffer(size, populate=True)
 
     def read_into(buffer):
         with fastio.Reader(path) as reader:
             reader.read_into(0, buffer.view(0, size))
         return buffer
-
-    fresh_model = build_model(model_name, seed=1)
-    # The objects of a process that has trained (or initialised its optimizer's state): the state
-    # exists, and a load can write it in place. DCP always loads into existing tensors.
-    stepped_model = build_model(model_name, seed=2)
-    stepped = torch.optim.AdamW(stepped_model.parameters(), lr=1e-4)
-    synthetic_grads(list(stepped_model.parameters()), 1)
-    stepped.step()
 
     def into_live(model, opt):
         # As resume does: the model's tensors (and the optimizer's, if it has state) are read
@@ -474,16 +475,31 @@ def full_load_cases(path: str, dcp_path: str, model_name: str) -> dict:
         opt.load_state_dict(state.optimizer)
         return opt
 
-    def fresh_adamw():
-        return torch.optim.AdamW(fresh_model.parameters(), lr=1e-4)   # its state comes from the file
-    return {"device read, prefaulted memory": lambda: read_into(prefaulted),
-            "populate new memory alone": lambda: fastio.aligned_buffer(size, populate=True),
-            "device read, fresh memory": lambda: read_into(fastio.aligned_buffer(size)),
-            "lowdiff load_full (read + verify)": lambda: load_full(path),
-            "lowdiff into model + fresh AdamW": lambda: into_live(fresh_model, fresh_adamw()),
-            "DCP into model + fresh AdamW": lambda: dcp_load(dcp_path, fresh_model, fresh_adamw()),
-            "lowdiff into model + AdamW with state": lambda: into_live(stepped_model, stepped),
-            "DCP into model + AdamW with state": lambda: dcp_load(dcp_path, stepped_model, stepped)}
+    if name == "device read, prefaulted memory":
+        prefaulted = fastio.aligned_buffer(size, populate=True)
+        return lambda: read_into(prefaulted)
+    if name == "populate new memory alone":
+        return lambda: fastio.aligned_buffer(size, populate=True)
+    if name == "device read, fresh memory":
+        return lambda: read_into(fastio.aligned_buffer(size))
+    if name == "lowdiff load_full (read + verify)":
+        return lambda: load_full(path)
+    load = into_live if name.startswith("lowdiff") else functools.partial(dcp_load, dcp_path)
+    model = build_model(model_name, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # fresh: its state comes from the file
+    if name.endswith("AdamW with state"):
+        # The objects of a process that has trained (or initialised its optimizer's state): the
+        # state exists, and a load can write it in place. DCP always loads into existing tensors.
+        synthetic_grads(list(model.parameters()), 1)
+        opt.step()
+    return lambda: load(model, opt)
+
+
+def measured_case(path: str, dcp_path: str, model_name: str, name: str, cache: bool) -> tuple:
+    """(seconds, CPU seconds, minor page faults) of one full-load case in this process."""
+    # DCP warns, in every process, that it loads without a process group: as intended here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    return measured(full_load_case(path, dcp_path, model_name, name), cache)
 
 
 def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float, repeats: int, cache: bool) -> list:
@@ -491,12 +507,11 @@ def full_load_rows(directory: str, work: str, model_name: str, bandwidth: float,
     full = full_with_optimizer_state(work, model_name)
     size = os.path.getsize(full)
     dcp_path, dcp_bytes = dcp_checkpoint(work, model_name)
-    cases = full_load_cases(full, dcp_path, model_name)
-    times: dict = {name: [] for name in cases}
+    times: dict = {name: [] for name in FULL_LOAD_CASES}
     for round_ in range(repeats):   # interleaved: a shared machine's load drifts alike for every case
         log(f"  round {round_ + 1}/{repeats}")
-        for name, fn in cases.items():
-            times[name].append(measured(fn, cache))
+        for name in FULL_LOAD_CASES:   # each in a new process, as a recovery after a failure
+            times[name].append(in_new_process("measured_case", full, dcp_path, model_name, name, cache))
     device_s = statistics.median(t for t, _, _ in times["device read, prefaulted memory"])
     rows = []
     for name, runs in times.items():
