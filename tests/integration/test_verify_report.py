@@ -43,3 +43,43 @@ def test_damage_is_named_and_the_recoverable_steps_shrink(tmp_path):
     assert "step 20" in report.problems[0].why
     assert [(full, last) for full, _, last in report.recoverable] == [(0, 19), (6, 19), (12, 19), (18, 19)]
     assert report.newest_recoverable == 19 < report.newest_listed == STEPS
+
+
+def resumed_digest(directory: str) -> tuple:
+    """(step, state digest) of a resume of ``directory`` into fresh objects, as a trainer does."""
+    from lowdiff_helpers import build, wrap
+
+    from lowdiff.demo import state_digest
+
+    model, opt, sched, sampler = build()
+    opt = wrap(directory, model, opt, sched, sampler)
+    try:
+        step = recovery.resume(directory, model, opt)
+        return step, state_digest(model, opt, sched, sampler)
+    finally:
+        opt.close()
+
+
+def test_a_missing_batch_file_is_named_and_resume_reaches_the_furthest_state_without_it(tmp_path, caplog):
+    """A batch deleted from the newest full checkpoint's chain: resume stops at that full
+    checkpoint's step and says which file is missing; one deleted from an older chain costs only
+    the steps that chain alone reached. Either way the state is the uninterrupted run's."""
+    from lowdiff_helpers import reference_digests
+
+    reference = reference_digests(STEPS)
+    for first, reach, recoverable in ((19, 18, [(0, 18), (6, 18), (12, 18), (18, 18)]),
+                                      (13, STEPS, [(0, 12), (6, 12), (12, 12), (18, 23)])):
+        directory = train_directory(str(tmp_path / f"gone-{first}"), STEPS)
+        batch = next(b for b in read_manifest(directory).batches if b.first == first)
+        path = os.path.join(directory, batch.file)
+        os.remove(path)
+        report = recovery.verify(directory)
+        assert [(p.file, p.label) for p in report.problems] == [(path, "MISSING")], report.problems
+        assert [(full, last) for full, _, last in report.recoverable] == recoverable
+        assert not report.ok and report.newest_recoverable == reach   # ok: nothing wrong at all
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lowdiff"):
+            step, digest = resumed_digest(directory)
+        assert step == reach and digest == reference[reach], (first, step)
+        if reach < STEPS:
+            assert path in caplog.text and "missing" in caplog.text, caplog.text
