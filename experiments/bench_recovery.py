@@ -157,6 +157,9 @@ def _naive_recovery(naive_dir: str, model_name: str, chain: int) -> tuple[float,
     return time.perf_counter() - started, stepping
 
 
+SPLIT = ("load_s", "read_s", "decode_s", "apply_s")   # where a resume's time went (recovery.Resumed)
+
+
 def timed_resume(directory: str, model_name: str, **options) -> dict:
     """One resume in this process: its seconds, the step it reached, its read / decode / apply
     split and the seconds inside the optimizer's own steps (``opt_steps_s``)."""
@@ -174,8 +177,8 @@ def timed_resume(directory: str, model_name: str, **options) -> dict:
     started = time.perf_counter()
     result = recovery.resume(directory, model, opt, **options)
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "step": int(result), "load_s": result.load_s, "read_s": result.read_s,
-            "decode_s": result.decode_s, "apply_s": result.apply_s, "opt_steps_s": stepping[0]}
+    return {"seconds": seconds, "step": int(result), "opt_steps_s": stepping[0],
+            **{k: getattr(result, k) for k in SPLIT}}
 
 
 def in_new_process(function: str, *args, **kwargs):
@@ -211,8 +214,7 @@ def resume_rows(directory: str, args, ckpt_bytes: int, bandwidths: list) -> tupl
             assert result["step"] == args.chain, result
             seconds = result["seconds"]
             runs[name].append({"method": name, "seconds": seconds, "bytes": ckpt_bytes,
-                               **{k: round(result[k], 3) for k in ("load_s", "read_s", "decode_s", "apply_s",
-                                                                    "opt_steps_s")},
+                               **{k: round(result[k], 3) for k in (*SPLIT, "opt_steps_s")},
                                "beyond_steps_s": round(seconds - result["opt_steps_s"], 3)})
             if not options:   # the default resume
                 default_rounds.append((seconds, bandwidths[-1]))
@@ -382,12 +384,12 @@ def run(args, work: str) -> int:
         row["seconds"] = round(row["seconds"], 3)
     print(f"\nrecovery of {args.chain} {compression} differentials, {args.model}, {cache}; "
           f"load average {load_average()}")
-    per_step = args.chain / 1e3
+    ms_each = 1e3 / args.chain   # seconds of all the chain's steps -> milliseconds per step
     print(f"O_DIRECT read bandwidth over the checkpoint's files {bandwidth / 2**20:.0f} MiB/s, the fastest of "
           f"{len(bandwidths)} passes (before the naive recovery, before each resume round, at the end: "
           f"{' '.join(f'{b / 2**20:.0f}' for b in bandwidths)}); the replay's optimizer steps: inside the naive "
-          f"recovery {steps_s / per_step:.1f} ms each, the same with freed memory kept {kept_steps_s / per_step:.1f} "
-          f"ms, inside the default resume {resume_steps_s / per_step:.1f} ms (the bound takes the fastest); one "
+          f"recovery {steps_s * ms_each:.1f} ms each, the same with freed memory kept {kept_steps_s * ms_each:.1f} "
+          f"ms, inside the default resume {resume_steps_s * ms_each:.1f} ms (the bound takes the fastest); one "
           f"step on random dense gradients {step_s * 1e3:.1f} ms")
     table(rows, ["method", "seconds", "vs resume", "bytes", "load_s", "read_s", "decode_s", "apply_s", "opt_steps_s",
                  "beyond_steps_s"] + (["rounds"] if args.resume_rounds > 1 else []))
@@ -552,7 +554,7 @@ def scaling_rows(directory: str, args) -> list:
         drop_caches()
         result = in_new_process("timed_resume", directory, args.model, step=length)
         rows.append({"method": f"resume step={length}", "chain": length, "seconds": round(result["seconds"], 3),
-                     **{k: round(result[k], 3) for k in ("load_s", "read_s", "decode_s", "apply_s")}})
+                     **{k: round(result[k], 3) for k in SPLIT}})
     print(f"\nrecovery time versus chain length (time travel on one directory); load average {load_average()}")
     table(rows, ["chain", "seconds", "load_s", "read_s", "decode_s", "apply_s"])
     return rows

@@ -207,6 +207,17 @@ def write_full_file(path: str, kind: int, payload, objects: bytes, make_index, *
 _ZERO_COPY = ("/model/", "/optimizer/")   # subtrees whose large tensors are handed out as views
 
 
+def payload_tensor(payload: torch.Tensor, start: int, nbytes: int, dtype: torch.dtype, shape, key: str):
+    """The tensor ``key`` of a full checkpoint from its bytes ``payload[start:start + nbytes]`` (a
+    uint8 read buffer). Large model and optimizer tensors stay views of the buffer (no copy). The
+    rest is cloned: some torch entry points (set_rng_state, Generator.set_state) read a view with
+    a storage offset from the start of its storage."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    view = payload[start:start + nbytes].view(dtype).view(shape)
+    return view if nbytes >= PAGE and key.startswith(_ZERO_COPY) else view.clone()
+
+
 def _checksum_matches(entry: Checksummed, data) -> bool:
     """``data`` against the entry's CRC-32C (or, in files written before it, zlib's CRC-32)."""
     if entry.crc32c is not None:
@@ -265,18 +276,9 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
     staging = buffer.tensor() if index.payload_bytes else torch.empty(0, dtype=torch.uint8)
     tensors = {}
     for entry in index.tensors:
-        start = entry.offset - PAYLOAD_OFFSET
-        dtype = dtype_from_name(entry.dtype, path)
-        if entry.key in placed:
-            tensors[entry.key] = placed[entry.key]
-        elif entry.nbytes == 0:
-            tensors[entry.key] = torch.empty(entry.shape, dtype=dtype)
-        else:
-            view = staging[start:start + entry.nbytes].view(dtype).view(entry.shape)
-            # Large model and optimizer tensors stay views of the read buffer (no copy). The rest
-            # is cloned: some torch entry points (set_rng_state, Generator.set_state) read a view
-            # with a storage offset from the start of its storage.
-            tensors[entry.key] = view if entry.nbytes >= PAGE and entry.key.startswith(_ZERO_COPY) else view.clone()
+        tensors[entry.key] = placed[entry.key] if entry.key in placed else payload_tensor(
+            staging, entry.offset - PAYLOAD_OFFSET, entry.nbytes, dtype_from_name(entry.dtype, path), entry.shape,
+            entry.key)
     return index, _state(path, index, skeleton, tensors)
 
 

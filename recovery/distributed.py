@@ -24,6 +24,7 @@ import fastio
 from lowdiff import tree
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, VersionMismatchError
 from lowdiff.format import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
+from lowdiff.fullckpt import payload_tensor
 from lowdiff.partition import describe_ranges, full_sets, rank_directory, read_views, retained_ranges, session_chain
 from lowdiff.payloadread import apart, placeable, read_payload
 from lowdiff.records import dtype_from_name
@@ -257,11 +258,8 @@ def _from_staging(path: str, payload: torch.Tensor, placed: dict):
     def shared(entry):
         if entry["key"] in placed:
             return placed[entry["key"]]
-        dtype = dtype_from_name(entry["dtype"], path)
-        if entry["nbytes"] == 0:
-            return torch.empty(entry["shape"], dtype=dtype)
-        view = payload[entry["offset"]:entry["offset"] + entry["nbytes"]].view(dtype).view(entry["shape"])
-        return view if entry["nbytes"] >= PAGE else view.clone()
+        return payload_tensor(payload, entry["offset"], entry["nbytes"], dtype_from_name(entry["dtype"], path),
+                              entry["shape"], entry["key"])
     return shared
 
 
