@@ -23,15 +23,17 @@ one copy of the state at the device's speed, and what does a differential every 
    the same DDP training with the same hook and no lowdiff: --step-rounds rounds, each a run of
    both (order alternating); the overhead is the median of the rounds' paired ratios (the load of
    this machine drifts between rounds by more than the overhead), printed with their spread.
-   The model: --model mlp (default; 4 layers of --width, --batch samples) has the most parameters
-   per unit of compute, so the most checkpoint work per unit of training (lowdiff's cost per step
-   grows with the parameters, the step's with parameters x samples); --model quick (or another
-   preset of gpt.py) is a GPT-2-style language model's step.
+   The models (--model, comma-separated; default "quick,mlp"): the first judges the target, the
+   others are reported beside it. quick (or another preset of gpt.py) is a GPT-2-style language
+   model's step, the workload lowdiff is for; mlp (4 layers of --width on --batch samples) is the
+   stress case: the most parameters per unit of compute, so the most checkpoint work per unit of
+   training (lowdiff's cost per step grows with the parameters, the step's with parameters x
+   samples, so its share falls as the batch grows).
 
 The load average (os.getloadavg) is printed with the tables: this machine is shared.
 
 Usage: python experiments/bench_distributed.py [--state-mib 384] [--repeat 5] [--persists 5] [--steps 60]
-       [--step-rounds 10] [--model mlp|quick] [--steps-only] [--dir D]
+       [--step-rounds 10] [--model quick,mlp] [--steps-only] [--dir D]
        [--csv experiments/results/bench_distributed.csv]
 Writes the tables to stdout and the rows to --csv.
 """
@@ -316,12 +318,12 @@ def step_model(name: str, width: int, batch: int | None, rank: int):
     return model, lambda module: module(tokens, targets)
 
 
-def describe_step_model(args) -> str:
-    if args.model == "mlp":
+def describe_step_model(name: str, args) -> str:
+    if name == "mlp":
         return f"MLP 4x{args.width}x{args.width}, batch {args.batch or 64}"
-    cfg = gpt.PRESETS[args.model]
+    cfg = gpt.PRESETS[name]
     params = sum(p.numel() for p in gpt.build_model(cfg).parameters())
-    return (f"GPT-2-style {args.model} ({params / 1e6:.1f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}), "
+    return (f"GPT-2-style {name} ({params / 1e6:.1f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}), "
             f"batch {args.batch or cfg.batch_size} x {cfg.seq_len} tokens")
 
 
@@ -372,7 +374,7 @@ def _train_rank(rank, world, port, directory, steps, model_args, mode, out):
     dist.destroy_process_group()
 
 
-def bench_steps(args) -> dict:
+def bench_steps(args, model: str) -> dict:
     """Per mode the median step over all rounds, and per round the ratio lowdiff / baseline of the
     two runs of that round (one right after the other, the order alternating): the load of this
     shared machine drifts between rounds by more than the overhead measured, and a pair of runs
@@ -382,13 +384,14 @@ def bench_steps(args) -> dict:
     per_mode: dict = {"baseline": [], "lowdiff": []}
     cpu_per_mode: dict = {"baseline": [], "lowdiff": []}
     ratios, cpu_ratios, attributed, attributed_threads = [], [], [], []
+    print(f"\nstep benchmark: {describe_step_model(model, args)}", flush=True)
     for round_ in range(args.step_rounds):
         order = ("baseline", "lowdiff") if round_ % 2 == 0 else ("lowdiff", "baseline")
         medians, cpu_medians = {}, {}
         for mode in order:
             target = tempfile.mkdtemp(dir=args.dir)
             times, cpu, own, spans, threads = run_world(_train_rank, 2, target, args.steps + warm,
-                                                        (args.model, args.width, args.batch), mode)
+                                                        (model, args.width, args.batch), mode)
             if mode == "lowdiff":
                 # lowdiff's own CPU time against the rest of the process's over the same steps:
                 # measured within one run, so this machine's speed of the moment cancels out.
@@ -419,9 +422,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="timed DDP steps per round")
     parser.add_argument("--step-rounds", type=int, default=10, help="rounds of the step benchmark (a run of each "
                                                                     "mode per round)")
-    parser.add_argument("--model", default="mlp", choices=["mlp", *gpt.PRESETS],
-                        help="the step benchmark's model: an MLP (most parameters per unit of compute) or a "
-                             "GPT-2-style preset of experiments/gpt.py")
+    parser.add_argument("--model", default="quick,mlp", type=_model_list,
+                        help="the step benchmark's models, comma-separated, the first judging the target: "
+                             "GPT-2-style presets of experiments/gpt.py (" + ", ".join(gpt.PRESETS) + ") or mlp "
+                             "(the most parameters per unit of compute)")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (4 layers) for the step benchmark")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples (MLP, default 64) or sequences (GPT, default the preset's) per rank and step "
@@ -442,30 +446,42 @@ def main(argv=None) -> int:
             shutil.rmtree(args.dir, ignore_errors=True)
 
 
+def _model_list(text: str) -> list:
+    models = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in models if name != "mlp" and name not in gpt.PRESETS]
+    if not models or unknown:
+        raise argparse.ArgumentTypeError(f"unknown model(s) {unknown or text!r}: mlp or one of "
+                                         f"{', '.join(gpt.PRESETS)}")
+    return models
+
+
 def report(args) -> int:
     rows, state_bytes = report_writes(args) if not args.steps_only else ([], 0)
-    steps = report_steps(args)
+    steps = {model: report_steps(args, model) for model in args.model}
     print("\ntargets:")
     if rows:
         print_write_targets(rows, state_bytes)
-    ratios = sorted(steps["ratios"])
-    overhead = statistics.median(ratios) - 1
-    print(f"  step overhead <= {TARGET_OVERHEAD:.0%} (median of the rounds' paired ratios): "
-          f"{'MET' if overhead <= TARGET_OVERHEAD else 'NOT MET'} ({overhead:+.1%})")
-    own = statistics.median(steps["attributed"])
-    print(f"  lowdiff's own CPU time per step <= {TARGET_OVERHEAD:.0%} of the rest (median of the rounds): "
-          f"{'MET' if own <= TARGET_OVERHEAD else 'NOT MET'} ({own:+.2%})")
+    for i, (model, measured) in enumerate(steps.items()):
+        judged = "the target" if i == 0 else "reported beside the target, not judging it"
+        overhead = statistics.median(measured["ratios"]) - 1
+        own = statistics.median(measured["attributed"])
+        print(f"  {describe_step_model(model, args)} ({judged}):")
+        print(f"    step overhead <= {TARGET_OVERHEAD:.0%} (median of the rounds' paired ratios): "
+              f"{'MET' if overhead <= TARGET_OVERHEAD else 'NOT MET'} ({overhead:+.1%})")
+        print(f"    lowdiff's own CPU time per step <= {TARGET_OVERHEAD:.0%} of the rest (median of the rounds): "
+              f"{'MET' if own <= TARGET_OVERHEAD else 'NOT MET'} ({own:+.2%})")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     with open(args.csv, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["layout", "ranks", "bytes", "seconds", "bytes_per_s", "x_device", "x_device_w_writers",
                          "first_persist_s"])
         writer.writerows(rows)
-        writer.writerow(["step_model", 2, "", describe_step_model(args), "", "", "", ""])
-        writer.writerow(["step_baseline_s", 2, "", steps["baseline"], "", "", "", ""])
-        writer.writerow(["step_lowdiff_s", 2, "", steps["lowdiff"], "", "", "", ""])
-        writer.writerow(["step_overhead_paired_median", 2, "", overhead, "", "", "", ""])
-        writer.writerow(["step_lowdiff_own_cpu_median", 2, "", own, "", "", "", ""])
+        for model, measured in steps.items():
+            for name, value in (("model", describe_step_model(model, args)), ("baseline_s", measured["baseline"]),
+                                ("lowdiff_s", measured["lowdiff"]),
+                                ("overhead_paired_median", statistics.median(measured["ratios"]) - 1),
+                                ("lowdiff_own_cpu_median", statistics.median(measured["attributed"]))):
+                writer.writerow([f"step_{model}_{name}", 2, "", value, "", "", "", ""])
     return 0
 
 
@@ -488,12 +504,12 @@ def report_writes(args) -> tuple:
     return rows, state_bytes
 
 
-def report_steps(args) -> dict:
-    steps = bench_steps(args)
+def report_steps(args, model: str) -> dict:
+    steps = bench_steps(args, model)
     ratios = sorted(steps["ratios"])
     overhead = statistics.median(ratios) - 1
     pooled = steps["lowdiff"] / steps["baseline"] - 1
-    print(f"\nDDP step, 2 ranks (gloo), {describe_step_model(args)}, TopK(0.01), "
+    print(f"\nDDP step, 2 ranks (gloo), {describe_step_model(model, args)}, TopK(0.01), "
           f"{args.step_rounds} rounds of {args.steps} steps per mode (load average now {os.getloadavg()[0]:.2f})")
     print(f"  DDP + same compression, no checkpoints   {steps['baseline'] * 1e3:8.2f} ms (median of all steps)")
     print(f"  lowdiff, a differential every step        {steps['lowdiff'] * 1e3:8.2f} ms (median of all steps)   "
