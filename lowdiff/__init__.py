@@ -1,6 +1,7 @@
 """lowdiff: per-iteration checkpointing for PyTorch with exact resume."""
 from .compress import Dense, TopK
 from .data import ResumableLoader
+from .ddp import init_process_group
 from .errors import (
                      CheckpointError,
                      CheckpointFileError,
@@ -16,4 +17,5 @@ from .wrapper import LowDiffOptimizer, wrap
 
 __all__ = ["CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
            "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
+           "init_process_group",
            "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "wrap"]

@@ -108,6 +108,31 @@ class AggregatedRecorder:
         return f"AggregatedRecorder(sparse={self.sparse})"
 
 
+def init_process_group(backend: str | None = None, **kwargs) -> None:
+    """``torch.distributed.init_process_group`` that survives torchrun's restarts.
+
+    torchrun (``--max-restarts``) keeps one store, its agent's, for every start of the job, and each
+    start's process group publishes its ranks' addresses under the same keys as the last. A rank of
+    the new start that reads a key before its peer rewrote it gets the address of a dead process:
+    gloo's connect is refused or hangs (seen here with torch 2.13: a restarted rank that came up
+    3 s after the others hung the job). Under torchrun with the agent's store, this joins the group
+    through that store with a prefix naming the start (TORCHELASTIC_RESTART_COUNT), so no start
+    reads another's keys. Anywhere else, and when ``store`` or an ``init_method`` other than env://
+    is given, it is ``init_process_group`` unchanged."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if restart is None or not agent_store or "store" in kwargs or kwargs.get("init_method", "env://") != "env://":
+        dist.init_process_group(backend, **kwargs)
+        return
+    kwargs.pop("init_method", None)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = kwargs.get("timeout") or dist.constants.default_pg_timeout
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lowdiff/start-{restart}", agent), rank=rank,
+                            world_size=world, **kwargs)
+
+
 def rank_directory(directory, rank: int) -> str:
     """Where rank ``rank`` of a multi-process run keeps its stream."""
     return os.path.join(os.fspath(directory), f"rank-{rank:05d}")

@@ -10,6 +10,7 @@ import hashlib
 import os
 import random
 import signal
+import time
 import types
 
 import numpy as np
@@ -90,8 +91,13 @@ def train(args, model, ddp, opt, sched, sampler, start, out):
             opt.flush()
         out.write(f"{step + 1} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")
         out.flush()
-        if args.crash_at == step + 1 and args.rank in args.crash_ranks:
+        if args.crash_at == step + 1 and args.rank in args.crash_ranks and first_attempt():
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def first_attempt() -> bool:
+    """Under torchrun, whether this is the job's first start (a restart must not crash again)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 class _nothing:
@@ -121,8 +127,14 @@ def time_travel(args, model, ddp, opt, sched, sampler):
 
 def main():
     p = argparse.ArgumentParser()
-    for name in ("rank", "world", "port", "steps"):
-        p.add_argument(f"--{name}", type=int, required=True)
+    for name in ("rank", "world", "port"):
+        p.add_argument(f"--{name}", type=int, help="not with --torchrun")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--torchrun", action="store_true",
+                   help="started by torchrun: rank, world size and rendezvous from its environment; --digests "
+                        "gets '-RANK.txt' appended")
+    p.add_argument("--late-restart", type=float, default=0.0,
+                   help="with --torchrun: seconds the --crash-ranks wait before joining a restarted job")
     p.add_argument("--dir", required=True)
     p.add_argument("--digests", required=True)
     p.add_argument("--compressor", default="topk", choices=["topk", "topk-ef", "dense"])
@@ -150,7 +162,13 @@ def main():
                         "SHARED' or 'travel-error K MESSAGE' lines, stop")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.world > 1:
+    if args.torchrun:
+        args.rank, args.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        args.digests = f"{args.digests}-{args.rank}.txt"
+        if not first_attempt() and args.rank in args.crash_ranks:
+            time.sleep(args.late_restart)   # a replacement process that comes up after its peers
+        lowdiff.init_process_group("gloo")
+    elif args.world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world)
     model, ddp, opt, sched, sampler = build(args)
