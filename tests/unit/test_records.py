@@ -389,7 +389,7 @@ def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
         "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
         "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
-        "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "wrap"]
+        "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "init_process_group", "wrap"]
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
