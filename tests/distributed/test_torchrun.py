@@ -5,6 +5,7 @@ again (rank 1 joining 3 s after rank 0, as a slow replacement would: with a plai
 each resumes and trains to the end. Every rank's state at the resumed step and at the end
 equals the uninterrupted run's (conftest.py's reference), byte for byte."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -38,11 +39,16 @@ def test_torchrun_restarts_the_ranks_after_a_sigkill_and_they_resume_exactly(tmp
                "--late-restart", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    # Its own process group: on a timeout the agent and its workers go together (killing the agent
+    # alone leaves its workers running).
+    agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun did not finish: {exc.stderr}")
-    assert done.returncode == 0, done.stderr[-4000:]
+        _, stderr = agent.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        pytest.fail(f"torchrun did not finish in 300 s: {agent.communicate()[1][-4000:]}")
+    assert agent.returncode == 0, stderr[-4000:]
     for rank in range(2):
         runs = attempts(tmp_path / f"run-{rank}.txt")
         assert len(runs) == 2, f"rank {rank}: {len(runs)} starts, expected the first and one restart"
