@@ -17,5 +17,4 @@ from .wrapper import LowDiffOptimizer, wrap
 
 __all__ = ["CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
            "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
-           "init_process_group",
-           "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "wrap"]
+           "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "init_process_group", "wrap"]

@@ -125,7 +125,10 @@ def init_process_group(backend: str | None = None, **kwargs) -> None:
         dist.init_process_group(backend, **kwargs)
         return
     kwargs.pop("init_method", None)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = kwargs.pop("rank", None)
+    world = kwargs.pop("world_size", None)
+    rank = int(os.environ["RANK"]) if rank is None or rank < 0 else rank
+    world = int(os.environ["WORLD_SIZE"]) if world is None or world < 0 else world
     timeout = kwargs.get("timeout") or dist.constants.default_pg_timeout
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
                           is_master=False, timeout=timeout)
