@@ -62,10 +62,22 @@ def reference_digests(steps: int) -> dict:
     return digests
 
 
+def resumed_digest(directory, step=None):
+    """Resume ``directory`` into freshly built objects (at ``step``; None: the newest) with the
+    RNGs first moved away from any state a checkpoint holds, so that only what resume restores
+    counts. Returns (what resume returned, digest of the restored state)."""
+    from lowdiff.demo import state_digest
+
+    model, opt, sched, sampler = build()
+    torch.manual_seed(4321)
+    np.random.seed(4321)
+    result = recovery.resume(str(directory), model, opt, scheduler=sched, extra_state={"sampler": sampler},
+                             step=step)
+    return result, state_digest(model, opt, sched, sampler)
+
+
 def train_directory(directory: str, steps: int) -> str:
     """Train ``steps`` steps from scratch with per-step checkpoints into ``directory``."""
-    import recovery
-
     model, opt, sched, sampler = build()
     opt = wrap(directory, model, opt, sched, sampler)
     recovery.resume(directory, model, opt)

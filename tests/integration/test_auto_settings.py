@@ -1,8 +1,7 @@
 """full_every="auto" and batch_steps="auto" run end to end, and resume stays exact; settings that
 change in the middle of a run (as the controller's decisions do) leave every step replayable."""
-import numpy as np
 import torch
-from lowdiff_helpers import build, reference_digests, train_steps, wrap
+from lowdiff_helpers import build, reference_digests, resumed_digest, train_steps, wrap
 
 import lowdiff
 import recovery
@@ -44,14 +43,6 @@ def test_auto_settings_measure_decide_and_resume_exactly(tmp_path):
         assert torch.equal(a, b)
 
 
-def _resumed_digest(directory, step):
-    model, opt, sched, sampler = build()
-    torch.manual_seed(777)   # resume must restore the RNG, whatever it holds now
-    np.random.seed(777)
-    got = recovery.resume(str(directory), model, opt, step=step, scheduler=sched, extra_state={"sampler": sampler})
-    return got, state_digest(model, opt, sched, sampler)
-
-
 def test_settings_changing_mid_run_keep_every_chain_replayable(tmp_path, rng):
     """Both settings change every few steps, as an auto controller's decisions would: batches of
     every size and full checkpoints at irregular steps. Every retained step resumes exactly."""
@@ -75,7 +66,7 @@ def test_settings_changing_mid_run_keep_every_chain_replayable(tmp_path, rng):
         opt.close()
     assert len({c[1:] for c in changes}) > 3
     for step in range(31):
-        assert _resumed_digest(directory, step) == (step, digests[step]), f"step {step} (changes {changes})"
+        assert resumed_digest(directory, step) == (step, digests[step]), f"step {step} (changes {changes})"
 
 
 def test_batch_steps_shrinking_below_the_records_held_does_not_stall_training(tmp_path):
@@ -109,4 +100,4 @@ def test_batch_steps_shrinking_below_the_records_held_does_not_stall_training(tm
     trainer.start()
     trainer.join(timeout=120)   # a deadlock detector, not a timing: the run takes well under a second
     assert not trainer.is_alive(), "step() blocked for good after batch_steps shrank"
-    assert _resumed_digest(directory, None) == (8, digests[8])
+    assert resumed_digest(directory, None) == (8, digests[8])

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lowdiff_helpers import build, forward_backward, train_steps, wrap
+from lowdiff_helpers import build, forward_backward, resumed_digest, train_steps, wrap
 
 import fastio
 import lowdiff
@@ -77,14 +77,6 @@ def ckpt(run, tmp_path) -> str:
     directory = str(tmp_path / "ckpt")
     shutil.copytree(run.directory, directory)
     return directory
-
-
-def resume_fresh(directory):
-    """Resume into freshly built objects; returns (step, digest of the restored state)."""
-    model, opt, sched, sampler = build()
-    torch.manual_seed(12345)  # the restored RNG must not depend on the RNG before resume
-    step = recovery.resume(directory, model, opt, scheduler=sched, extra_state={"sampler": sampler})
-    return step, state_digest(model, opt, sched, sampler)
 
 
 def verify(directory, capsys) -> tuple[int, list]:
@@ -176,7 +168,7 @@ def damage(path: str, mode: str, offset: int, bit: int = 0) -> None:
 def check_resume(run, directory, expected_step, caplog, warns_about=None):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
-        step, digest = resume_fresh(directory)
+        step, digest = resumed_digest(directory)
     assert step == expected_step
     assert digest == run.digests[step], f"resumed state at step {step} differs from the uninterrupted run"
     if warns_about is not None:
@@ -287,7 +279,7 @@ def test_continuing_after_a_fallback_is_exact(run, ckpt, caplog):
         assert seen == {s: run.digests[s] for s in range(20, STEPS + 1)}
     finally:
         opt.close()
-    step, digest = resume_fresh(ckpt)
+    step, digest = resumed_digest(ckpt)
     assert (step, digest) == (STEPS, run.digests[STEPS])
     assert not os.path.exists(batches[(19, 21)]), "the abandoned timeline must be dropped"
 
@@ -297,7 +289,7 @@ def test_nothing_verifies(ckpt):
     for path in fulls.values():
         damage(path, "flip", os.path.getsize(path) - 1)
     with pytest.raises(lowdiff.NoCheckpointError, match="no full checkpoint verifies"):
-        resume_fresh(ckpt)
+        resumed_digest(ckpt)
 
 
 # ------------------------------------------------------------------ foreign files, versions
@@ -492,7 +484,7 @@ def test_wrong_version(run, ckpt, capsys, caplog, tmp_path):
     assert status == 1 and sum(line.startswith("VERSION") and "version 2" in line for line in lines) == 2, lines
     before = sorted(os.listdir(ckpt))
     with pytest.raises(lowdiff.VersionMismatchError, match=r"version 2, this lowdiff reads version 1") as info:
-        resume_fresh(ckpt)
+        resumed_digest(ckpt)
     assert info.value.path == fulls[18]
     model, opt, sched, sampler = build()
     with pytest.raises(lowdiff.VersionMismatchError):
@@ -518,7 +510,7 @@ def test_manifest_of_another_version(run, ckpt, caplog):
         read_manifest(ckpt)
     assert info.value.path == path
     with pytest.raises(lowdiff.VersionMismatchError):
-        resume_fresh(ckpt)
+        resumed_digest(ckpt)
     model, opt, sched, sampler = build()
     with pytest.raises(lowdiff.VersionMismatchError):
         wrap(ckpt, model, opt, sched, sampler)

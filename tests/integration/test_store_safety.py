@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lowdiff_helpers import build, reference_digests, train_steps, wrap
+from lowdiff_helpers import build, reference_digests, resumed_digest, train_steps, wrap
 
 import lowdiff
 import recovery
@@ -46,13 +46,6 @@ def train(directory, start, stop, digests=None, **options):
     return resumed
 
 
-def resume_fresh(directory):
-    model, opt, sched, sampler = build()
-    torch.manual_seed(999)
-    step = recovery.resume(directory, model, opt, scheduler=sched, extra_state={"sampler": sampler})
-    return step, state_digest(model, opt, sched, sampler)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Digests of the uninterrupted run without lowdiff (same compression), step by step."""
@@ -76,7 +69,7 @@ def test_a_stale_manifest_never_deletes_newer_files(tmp_path, reference, caplog,
     out = capsys.readouterr().out
     assert "adopted" in out
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
-        assert resume_fresh(ckpt) == (37, reference[37])
+        assert resumed_digest(ckpt) == (37, reference[37])
     assert any(MANIFEST_NAME in r.getMessage() for r in caplog.records), "say that the manifest was stale"
     assert checkpoint_files(ckpt) == files_at_37
 
@@ -90,7 +83,7 @@ def test_a_stale_manifest_never_deletes_newer_files(tmp_path, reference, caplog,
         train_steps(model, opt, sched, sampler, 37, 39)
     finally:
         opt.close()
-    assert resume_fresh(ckpt) == (39, reference[39])
+    assert resumed_digest(ckpt) == (39, reference[39])
 
 
 def test_another_runs_manifest_is_replaced_by_the_files(tmp_path, reference, caplog):
@@ -100,11 +93,11 @@ def test_another_runs_manifest_is_replaced_by_the_files(tmp_path, reference, cap
     files = checkpoint_files(ckpt)
     shutil.copyfile(os.path.join(other, MANIFEST_NAME), os.path.join(ckpt, MANIFEST_NAME))
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
-        assert resume_fresh(ckpt) == (14, reference[14])
+        assert resumed_digest(ckpt) == (14, reference[14])
     assert any("lists none of" in r.getMessage() for r in caplog.records)
     train(ckpt, 14, 16)
     assert files - checkpoint_files(ckpt) <= {r.file for r in read_manifest(ckpt).retired} | files
-    assert resume_fresh(ckpt) == (16, reference[16])
+    assert resumed_digest(ckpt) == (16, reference[16])
 
 
 def test_a_foreign_file_under_its_own_name_is_never_used_nor_deleted(tmp_path, reference, caplog, capsys):
@@ -115,7 +108,7 @@ def test_a_foreign_file_under_its_own_name_is_never_used_nor_deleted(tmp_path, r
     foreign = sorted(n for n in checkpoint_files(other) if n.startswith("full-"))[-1]
     shutil.copyfile(os.path.join(other, foreign), os.path.join(ckpt, foreign))
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
-        assert resume_fresh(ckpt) == (14, reference[14])
+        assert resumed_digest(ckpt) == (14, reference[14])
     assert any(foreign in r.getMessage() and "run" in r.getMessage() for r in caplog.records)
     assert cli.main(["verify", ckpt]) == 1
     assert any(line.startswith("FOREIGN") and foreign in line for line in capsys.readouterr().out.splitlines())
@@ -132,7 +125,7 @@ def test_a_manifest_that_is_not_ours_is_refused(tmp_path):
         wrap(str(ckpt), model, opt, sched, sampler)
     assert info.value.path == str(ckpt / MANIFEST_NAME)
     with pytest.raises(lowdiff.ForeignFileError):
-        resume_fresh(str(ckpt))
+        resumed_digest(str(ckpt))
     assert (ckpt / MANIFEST_NAME).read_text() == '{"name": "my dataset", "files": []}'
 
 
@@ -156,7 +149,7 @@ def test_a_file_of_another_run_under_this_runs_name_is_damage(tmp_path, referenc
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("CORRUPT") and mine.file in line and "session" in line for line in lines), lines
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
-        assert resume_fresh(ckpt) == (expected, reference[expected])
+        assert resumed_digest(ckpt) == (expected, reference[expected])
     assert any(mine.file in r.getMessage() for r in caplog.records)
 
 
@@ -250,7 +243,7 @@ def test_a_write_error_is_sticky_and_never_looks_like_a_change_outside_step(tiny
     assert not [w for w in caught if "outside" in str(w.message)], [str(w.message) for w in caught]
     copy = str(tmp_path / "copy")
     shutil.copytree(ckpt, copy)
-    assert resume_fresh(copy) == (durable, reference[durable])
+    assert resumed_digest(copy) == (durable, reference[durable])
 
 
 # ------------------------------------------------------------------ 6. readers, odd paths, odd files

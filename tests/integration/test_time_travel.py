@@ -7,8 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-from lowdiff_helpers import build, reference_digests, train_directory, train_steps, wrap
+from lowdiff_helpers import build, reference_digests, resumed_digest, train_directory, train_steps, wrap
 
 import lowdiff
 import recovery
@@ -28,18 +27,11 @@ def trained(tmp_path_factory) -> str:
     return train_directory(str(tmp_path_factory.mktemp("travel") / "ckpt"), STEPS)
 
 
-def resume_fresh(directory, step):
-    model, opt, sched, sampler = build()
-    torch.manual_seed(4321)
-    result = recovery.resume(directory, model, opt, scheduler=sched, extra_state={"sampler": sampler}, step=step)
-    return result, state_digest(model, opt, sched, sampler)
-
-
 @pytest.mark.parametrize("step", [7, 9, 10, 12, 13, 17, 18, STEPS, None])
 def test_resume_at_any_retained_step_is_exact(trained, reference, step):
     """The first step after a full checkpoint (7, 13), the last step of a batch (9), a step inside a
     batch (10, 17), a full checkpoint's own step (12, 18), the newest (23 and None)."""
-    result, digest = resume_fresh(trained, step)
+    result, digest = resumed_digest(trained, step)
     want = STEPS if step is None else step
     assert result == want and digest == reference[want]
     full = max(s for s in (0, 6, 12, 18) if s <= want)
@@ -51,9 +43,9 @@ def test_resume_at_any_retained_step_is_exact(trained, reference, step):
 
 def test_a_step_that_is_not_retained_is_refused_naming_what_is(trained):
     with pytest.raises(lowdiff.NoCheckpointError, match=r"step 40 is not retained; retained steps: 0\.\.23"):
-        resume_fresh(trained, 40)
+        resumed_digest(trained, 40)
     with pytest.raises(ValueError, match="step"):
-        resume_fresh(trained, -1)
+        resumed_digest(trained, -1)
 
 
 def test_training_on_after_time_travel_reproduces_the_run_and_abandons_the_newer_steps(tmp_path, reference, caplog):
@@ -78,5 +70,5 @@ def test_training_on_after_time_travel_reproduces_the_run_and_abandons_the_newer
     finally:
         opt.close()
     assert read_manifest(directory).durable_step() == 15
-    result, digest = resume_fresh(directory, None)
+    result, digest = resumed_digest(directory, None)
     assert (result, digest) == (15, reference[15])

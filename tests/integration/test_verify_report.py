@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from lowdiff_helpers import train_directory
+from lowdiff_helpers import reference_digests, resumed_digest, train_directory
 
 import recovery
 from lowdiff.manifest import read_manifest
@@ -45,27 +45,10 @@ def test_damage_is_named_and_the_recoverable_steps_shrink(tmp_path):
     assert report.newest_recoverable == 19 < report.newest_listed == STEPS
 
 
-def resumed_digest(directory: str) -> tuple:
-    """(step, state digest) of a resume of ``directory`` into fresh objects, as a trainer does."""
-    from lowdiff_helpers import build, wrap
-
-    from lowdiff.demo import state_digest
-
-    model, opt, sched, sampler = build()
-    opt = wrap(directory, model, opt, sched, sampler)
-    try:
-        step = recovery.resume(directory, model, opt)
-        return step, state_digest(model, opt, sched, sampler)
-    finally:
-        opt.close()
-
-
 def test_a_missing_batch_file_is_named_and_resume_reaches_the_furthest_state_without_it(tmp_path, caplog):
     """A batch deleted from the newest full checkpoint's chain: resume stops at that full
     checkpoint's step and says which file is missing; one deleted from an older chain costs only
     the steps that chain alone reached. Either way the state is the uninterrupted run's."""
-    from lowdiff_helpers import reference_digests
-
     reference = reference_digests(STEPS)
     for first, reach, recoverable in ((19, 18, [(0, 18), (6, 18), (12, 18), (18, 18)]),
                                       (13, STEPS, [(0, 12), (6, 12), (12, 12), (18, 23)])):
