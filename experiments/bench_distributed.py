@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import os
 import shutil
 import socket
@@ -318,11 +319,17 @@ def step_model(name: str, width: int, batch: int | None, rank: int):
     return model, lambda module: module(tokens, targets)
 
 
+@functools.cache
+def _gpt_parameters(name: str) -> int:
+    return sum(p.numel() for p in gpt.build_model(gpt.PRESETS[name]).parameters())
+
+
 def describe_step_model(name: str, args) -> str:
+    """Named with its rounds, its table, the targets and the CSV: a GPT model is built once to count."""
     if name == "mlp":
         return f"MLP 4x{args.width}x{args.width}, batch {args.batch or 64}"
     cfg = gpt.PRESETS[name]
-    params = sum(p.numel() for p in gpt.build_model(cfg).parameters())
+    params = _gpt_parameters(name)
     return (f"GPT-2-style {name} ({params / 1e6:.1f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}), "
             f"batch {args.batch or cfg.batch_size} x {cfg.seq_len} tokens")
 

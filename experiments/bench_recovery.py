@@ -447,10 +447,30 @@ def measured(fn, cache: bool) -> tuple[float, float, int]:
     return elapsed, cpu, after.ru_minflt - before.ru_minflt
 
 
-FULL_LOAD_CASES = ("device read, prefaulted memory", "populate new memory alone", "device read, fresh memory",
-                   "lowdiff load_full (read + verify)", "lowdiff into model + fresh AdamW",
-                   "DCP into model + fresh AdamW", "lowdiff into model + AdamW with state",
-                   "DCP into model + AdamW with state")
+def _read_into(path: str, size: int, buffer):
+    with fastio.Reader(path) as reader:
+        reader.read_into(0, buffer.view(0, size))
+    return buffer
+
+
+# The full-load cases, each named once. Bytes only: (path, size) -> the function timed.
+_BYTE_CASES = {
+    "device read, prefaulted memory":
+        lambda path, size: functools.partial(_read_into, path, size, fastio.aligned_buffer(size, populate=True)),
+    "populate new memory alone": lambda path, size: functools.partial(fastio.aligned_buffer, size, populate=True),
+    "device read, fresh memory": lambda path, size: lambda: _read_into(path, size, fastio.aligned_buffer(size)),
+    "lowdiff load_full (read + verify)": lambda path, size: functools.partial(load_full, path),
+}
+# Into a model + AdamW: (whose load, whether the optimizer has state before it). A process that has
+# trained (or initialised its optimizer's state) has it, and a load can write it in place; a fresh
+# AdamW's state comes from the file. DCP always loads into existing tensors.
+_INTO_MODEL_CASES = {
+    "lowdiff into model + fresh AdamW": ("lowdiff", False),
+    "DCP into model + fresh AdamW": ("dcp", False),
+    "lowdiff into model + AdamW with state": ("lowdiff", True),
+    "DCP into model + AdamW with state": ("dcp", True),
+}
+FULL_LOAD_CASES = (*_BYTE_CASES, *_INTO_MODEL_CASES)
 
 
 def full_load_case(path: str, dcp_path: str, model_name: str, name: str):
@@ -462,12 +482,9 @@ def full_load_case(path: str, dcp_path: str, model_name: str, name: str):
     making pages, the bound of any load into new memory); load_full; load_full into a live model
     + AdamW; DCP's load into the same objects. It returns what it made, freed after the clock
     stops."""
-    size = os.path.getsize(path) // 4096 * 4096
-
-    def read_into(buffer):
-        with fastio.Reader(path) as reader:
-            reader.read_into(0, buffer.view(0, size))
-        return buffer
+    if name in _BYTE_CASES:
+        return _BYTE_CASES[name](path, os.path.getsize(path) // 4096 * 4096)
+    loader, with_state = _INTO_MODEL_CASES[name]
 
     def into_live(model, opt):
         # As resume does: the model's tensors (and the optimizer's, if it has state) are read
@@ -477,21 +494,10 @@ def full_load_case(path: str, dcp_path: str, model_name: str, name: str):
         opt.load_state_dict(state.optimizer)
         return opt
 
-    if name == "device read, prefaulted memory":
-        prefaulted = fastio.aligned_buffer(size, populate=True)
-        return lambda: read_into(prefaulted)
-    if name == "populate new memory alone":
-        return lambda: fastio.aligned_buffer(size, populate=True)
-    if name == "device read, fresh memory":
-        return lambda: read_into(fastio.aligned_buffer(size))
-    if name == "lowdiff load_full (read + verify)":
-        return lambda: load_full(path)
-    load = into_live if name.startswith("lowdiff") else functools.partial(dcp_load, dcp_path)
+    load = into_live if loader == "lowdiff" else functools.partial(dcp_load, dcp_path)
     model = build_model(model_name, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # fresh: its state comes from the file
-    if name.endswith("AdamW with state"):
-        # The objects of a process that has trained (or initialised its optimizer's state): the
-        # state exists, and a load can write it in place. DCP always loads into existing tensors.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if with_state:
         synthetic_grads(list(model.parameters()), 1)
         opt.step()
     return lambda: load(model, opt)
