@@ -44,3 +44,8 @@ class NoCheckpointError(CheckpointError):
 class DirectoryBusyError(CheckpointError):
     """A reader could not see one consistent committed state: a live trainer kept replacing the
     manifest while it read. Retrying later (or stopping the trainer) helps."""
+
+
+class MissingRankDirectoryError(CheckpointError):
+    """A partitioned directory lacks a rank directory that its full checkpoints need. Never read as
+    empty and never a reason to delete: the message names the directory and what to do."""

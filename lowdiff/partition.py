@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import fastio
 
 from .compress import Compressed
-from .errors import CheckpointError
+from .errors import CheckpointError, MissingRankDirectoryError
 from .inventory import Inventory, take_inventory
 from .manifest import FullEntry, Manifest, plan_chain, read_manifest
 from .records import StepRecord, encode_record
@@ -131,6 +131,49 @@ def full_sets(root, manifests: Mapping[int, Manifest | None], count_of=None) -> 
     return out
 
 
+def missing_rank_directories(root, manifests: Mapping[int, Manifest | None], sets: list) -> dict[int, list[int]]:
+    """{rank: [steps]}: the rank directories of ``root`` that do not exist although sets need them,
+    with the steps of those sets. A set needs rank ``r``'s directory when its share count says it has
+    more than ``r`` shares and every rank directory that exists among its shares lists it: it would
+    be complete but for directories that are absent (a volume not mounted yet, a copy in progress).
+    Such a directory is never empty by accident (each rank of a session creates its own at wrap),
+    and reading it as empty would let retention delete the shares the set still needs. A dropped
+    rank's directory removed by shareretention is not reported: its holder no longer lists the sets
+    that needed it. ``manifests``: one per existing rank directory."""
+    present = set(rank_directories(root)) | set(manifests)
+    out: dict[int, list[int]] = {}
+    for fset in sets:
+        if fset.count is None:
+            continue
+        absent = [i for i in range(fset.count) if i not in present]
+        if absent and all(i in fset.ranks for i in range(fset.count) if i in present):
+            for rank in absent:
+                out.setdefault(rank, []).append(fset.step)
+    return out
+
+
+def missing_directory_error(root, missing: dict[int, list[int]]) -> CheckpointError:
+    """The refusal for ``missing_rank_directories``: names each directory and what to do."""
+    named = "; ".join(f"{rank_directory(root, rank)} (shares of the full checkpoints of steps "
+                      f"{', '.join(str(s) for s in sorted(steps))})" for rank, steps in sorted(missing.items()))
+    return MissingRankDirectoryError(
+        f"{os.fspath(root)} is a partitioned directory with rank directories missing: {named}. Their "
+        f"checkpoints are needed to resume, and nothing is read or deleted without them: mount or copy "
+        f"the missing directories back; if they are truly lost, move this directory away and start "
+        f"from an older copy or anew")
+
+
+def check_rank_directories(root, manifests: Mapping[int, Manifest | None] | None = None) -> None:
+    """Raise MissingRankDirectoryError when a rank directory that sets need is absent (see
+    ``missing_rank_directories``). ``manifests``: each existing rank directory's (default: the
+    committed ones)."""
+    if manifests is None:
+        manifests = read_manifests(root, sorted(rank_directories(root)))
+    missing = missing_rank_directories(root, manifests, full_sets(root, manifests))
+    if missing:
+        raise missing_directory_error(root, missing)
+
+
 def durable_step(manifests: dict, sets: list) -> int:
     """The newest step a resume reaches by the manifests: the furthest any complete set's every
     share reaches (-1: no complete set)."""
@@ -195,8 +238,29 @@ def partition_for(root, rank: int, world: int, params: list) -> Partition | None
     with several processes, or a directory that is partitioned already (then at any world size,
     so that one directory never mixes layouts); None for the single-process layout."""
     if world > 1 or is_partitioned(root):
+        refuse_missing_rank_directories(root, world)
         return Partition.of(root, rank, world, params)
     return None
+
+
+def refuse_missing_rank_directories(root, world: int) -> None:
+    """Raise MissingRankDirectoryError on every rank when ``root`` lacks a rank directory its sets
+    need (check_rank_directories). A collective when ``world`` > 1, before any rank creates its
+    own directory: a rank whose directory is missing sees it so, and the others learn it here
+    instead of reading the directory that rank is about to create as empty."""
+    try:
+        check_rank_directories(root)
+        why = None
+    except MissingRankDirectoryError as exc:
+        why = str(exc)
+    if world > 1:
+        import torch.distributed as dist
+
+        said: list = [None] * world
+        dist.all_gather_object(said, why)
+        why = next((w for w in said if w), None)
+    if why:
+        raise MissingRankDirectoryError(why)
 
 
 @dataclasses.dataclass

@@ -7,7 +7,14 @@ import os
 import fastio
 
 from .errors import CheckpointError
-from .partition import describe_ranges, durable_step, full_sets, read_views, retained_ranges
+from .partition import (
+    describe_ranges,
+    durable_step,
+    full_sets,
+    missing_rank_directories,
+    read_views,
+    retained_ranges,
+)
 from .sharefile import read_full_share_index
 
 
@@ -29,6 +36,10 @@ def describe(root: str, warn=None) -> list[str]:
     lines = [f"directory      {os.path.abspath(root)} (partitioned: {len(views)} rank directories)",
              f"durable step   {max(durable_step(manifests, sets), 0)} (every share of a complete set reaches it)",
              f"retained       {describe_ranges(retained_ranges(manifests, sets), sets)}"]
+    for rank, steps in sorted(missing_rank_directories(root, manifests, sets).items()):
+        lines.append(f"  rank-{rank:05d}: MISSING: the directory does not exist, and the full checkpoints of "
+                     f"steps {', '.join(map(str, sorted(steps)))} need its shares (mount or copy it back; "
+                     f"resume refuses without it)")
     for rank, inventory in views.items():
         for note in inventory.notes:
             if warn is not None:

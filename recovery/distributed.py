@@ -25,7 +25,16 @@ from lowdiff import tree
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, VersionMismatchError
 from lowdiff.format import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
 from lowdiff.fullckpt import payload_tensor
-from lowdiff.partition import describe_ranges, full_sets, rank_directory, read_views, retained_ranges, session_chain
+from lowdiff.partition import (
+    describe_ranges,
+    full_sets,
+    missing_directory_error,
+    missing_rank_directories,
+    rank_directory,
+    read_views,
+    retained_ranges,
+    session_chain,
+)
 from lowdiff.payloadread import apart, placeable, read_payload
 from lowdiff.records import dtype_from_name
 from lowdiff.sharefile import read_diff_share_index, read_full_share_index, read_own
@@ -58,6 +67,7 @@ class Plan:
     newest: int                # the newest step any rank directory lists
     ranges: list               # [(first, last)] steps the complete sets reach (time travel targets)
     retained: str              # the same, in words, for errors
+    missing: dict = dataclasses.field(default_factory=dict)   # {rank: [steps]}: rank directories sets need, absent
 
 
 def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
@@ -99,7 +109,7 @@ def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
     # its own step.
     sets.sort(key=lambda s: (s.step, s.reach), reverse=True)
     ranges = retained_ranges(manifests, every)
-    return Plan(sets, newest, ranges, describe_ranges(ranges, every))
+    return Plan(sets, newest, ranges, describe_ranges(ranges, every), missing_rank_directories(root, manifests, every))
 
 
 def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
@@ -424,6 +434,8 @@ def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimi
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
     found = _broadcast_plan(root, stop_step, world)
+    if found.missing:   # (on every rank alike: the plan is rank 0's)
+        raise missing_directory_error(root, found.missing)
     if stop_step is not None and not any(first <= stop_step <= last for first, last in found.ranges):
         raise NoCheckpointError(f"{root}: step {stop_step} is not retained; {found.retained}")
     newest = found.newest

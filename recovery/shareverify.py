@@ -91,7 +91,13 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
         (problems.append(problem) if problem else ok.append(name))
         reach[name] = last
     manifests = {rank: inventory.manifest for rank, inventory in views.items()}
-    sets = plan(root, None, views).sets
+    planned = plan(root, None, views)
+    sets = planned.sets
+    problems += [Problem(rank_directory(root, rank), "MISSING",
+                         f"the rank directory is missing; the full checkpoints of steps "
+                         f"{', '.join(map(str, sorted(steps)))} need its shares (nothing is resumed or "
+                         f"deleted without it: mount or copy it back)")
+                 for rank, steps in sorted(planned.missing.items())]
     recoverable = []
     for fset in sets:
         names = [os.path.relpath(path, root) for path in fset.files]

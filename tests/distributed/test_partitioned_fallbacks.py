@@ -5,6 +5,7 @@ torn (the chain ends where it is torn), time travel and training on; the tier ch
 view; a dropped rank's emptied directory removed (and a removal cut short by SIGKILL finished)."""
 import logging
 import os
+import shutil
 import sys
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import recovery
 from lowdiff.cli import main as cli
+from lowdiff.errors import MissingRankDirectoryError
 from lowdiff.manifest import read_manifest, write_manifest
 from lowdiff.partition import rank_directories
 from lowdiff.sharefile import parse_diff_share
@@ -193,3 +195,37 @@ def test_dropped_rank_directory_with_files_not_ours_stays(tmp_path, reference):
     assert sorted(os.listdir(copy / "rank-00001")) == ["CONTROLLER.json", "LOCK", "MANIFEST.json", "notes.txt"]
     assert read_manifest(str(copy / "rank-00001")).files() == set()
     assert "notes.txt" in err and "left in place" in err
+
+
+def test_missing_rank_directory_is_refused_by_name_and_nothing_is_deleted(tmp_path, stopped, capsys):
+    """Issue #33, 1: ``rank-00001/`` absent (a volume not mounted yet) was read as empty: one
+    process resumed at 0 and, three steps and a close later, rank 0's files were all deleted. Now
+    wrap (1 and 2 processes), resume, verify and inspect refuse or report it by name; nothing is
+    deleted and the directory is not recreated."""
+    one = copy_directory(stopped, tmp_path / "one")
+    files = checkpoint_files(one / "rank-00000")
+    listed = read_manifest(str(one / "rank-00000")).files()
+    shutil.rmtree(one / "rank-00001")
+    missing = str(one / "rank-00001")
+    for world in (1, 2):
+        results = launch(one, tmp_path / f"w{world}", world)
+        for code, err in results:
+            assert code != 0, err
+            assert "MissingRankDirectoryError" in err and missing in err and "mount or copy" in err
+        assert checkpoint_files(one / "rank-00000") == files
+        assert read_manifest(str(one / "rank-00000")).files() == listed
+        assert not os.path.exists(missing)
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(MissingRankDirectoryError, match="rank-00001"):
+        recovery.resume(str(one), model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    capsys.readouterr()
+    assert cli(["verify", str(one)]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING" in out and missing in out
+    assert cli(["inspect", str(one)]) == 0
+    assert "rank-00001: MISSING" in capsys.readouterr().out
+    assert checkpoint_files(one / "rank-00000") == files and not os.path.exists(missing)
