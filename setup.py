@@ -25,14 +25,14 @@ extensions = [
         extra_link_args=link_args,
     ),
     Extension(
-        "lowdiff._nonzero",
-        sources=["lowdiff/_nonzero.pyx", "lowdiff/nonzero_core.c"],
+        "lowdiff.distributed._nonzero",
+        sources=["lowdiff/distributed/_nonzero.pyx", "lowdiff/distributed/nonzero_core.c"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),
     Extension(
-        "lowdiff._deltas",
-        sources=["lowdiff/_deltas.pyx"],
+        "lowdiff.format._deltas",
+        sources=["lowdiff/format/_deltas.pyx"],
         # -O3 lets gcc vectorize the delta loops, which -O2 leaves scalar.
         extra_compile_args=compile_args + ([] if "-O0" in compile_args else ["-O3"]),
         extra_link_args=link_args,
@@ -46,11 +46,12 @@ setup(
     packages=find_packages(include=["lowdiff", "lowdiff.*", "fastio", "fastio.*", "recovery", "recovery.*"]),
     ext_modules=cythonize(extensions, language_level=3),
     # PEP 561: the packages carry their own types; the Cython modules' types are in .pyi stubs.
-    package_data={"lowdiff": ["py.typed", "*.pyi"], "recovery": ["py.typed"], "fastio": ["py.typed", "*.pyi"]},
+    package_data={"lowdiff": ["py.typed"], "lowdiff.format.schema": ["*.pyi"], "lowdiff.distributed": ["*.pyi"],
+                  "recovery": ["py.typed"], "fastio": ["py.typed", "*.pyi"]},
     python_requires=">=3.10",
     # A range that torch 2.13 satisfies and no newer release does: an open range pulls a CUDA build.
     install_requires=["torch>=2.2,<2.14", "numpy", "zstandard>=0.20"],
     # Frameworks for lowdiff.integrations (their tests skip without them); none of them pulls a torch.
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "ruff>=0.17,<0.18", "mypy>=2.4,<2.5"],
                     "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2", "torchdata>=0.8"]},
 )

@@ -65,11 +65,11 @@ import gpt  # noqa: E402
 
 import fastio  # noqa: E402
 import lowdiff  # noqa: E402
-from lowdiff.compress import TopK  # noqa: E402
-from lowdiff.ddp import CompressedAllReduce  # noqa: E402
-from lowdiff.format import PAGE  # noqa: E402
-from lowdiff.fullckpt import Snapshot  # noqa: E402
-from lowdiff.sharesnapshot import ShareSnapshot  # noqa: E402
+from lowdiff.distributed.ddp import CompressedAllReduce  # noqa: E402
+from lowdiff.distributed.sharesnapshot import ShareSnapshot  # noqa: E402
+from lowdiff.format.fullckpt import Snapshot  # noqa: E402
+from lowdiff.format.schema import PAGE  # noqa: E402
+from lowdiff.step.compress import TopK  # noqa: E402
 
 TARGET_BYTES = 1.05
 TARGET_BW = 0.9

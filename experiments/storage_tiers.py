@@ -261,7 +261,7 @@ def run_config(args) -> dict:
     import gpt
 
     import lowdiff
-    from lowdiff.tiers import KeepAll, KeepLast, Tiers
+    from lowdiff.tiers.policy import KeepAll, KeepLast, Tiers
 
     torch.set_num_threads(1)
     cfg = gpt.PRESETS[args.preset]

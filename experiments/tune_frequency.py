@@ -46,16 +46,9 @@ import gpt  # noqa: E402
 
 import lowdiff  # noqa: E402
 import recovery  # noqa: E402
-from lowdiff.compress import decompress_into  # noqa: E402
-from lowdiff.costmodel import (  # noqa: E402
-    Costs,
-    Limits,
-    checkfreq_full_every,
-    evaluate,
-    solve,
-    young_daly_full_every,  # noqa: E402
-)
-from lowdiff.inventory import take_inventory  # noqa: E402
+from lowdiff.control.costmodel import Costs, Limits, checkfreq_full_every, evaluate, solve, young_daly_full_every
+from lowdiff.step.compress import decompress_into  # noqa: E402
+from lowdiff.store.inventory import take_inventory  # noqa: E402
 
 LARGE = gpt.GPTConfig(n_layer=8, n_head=8, n_embd=512, vocab_size=16384, block_size=128, seq_len=128,
                       batch_size=4)

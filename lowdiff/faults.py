@@ -13,13 +13,13 @@ reaches ``point(PHASE)`` (N counts from 1). Phases, in the order a checkpoint go
 ``manifest-commit`` the new manifest replaced the old one; files it dropped are not yet deleted
 ``retention``       between two deletions of files the committed manifest dropped
 
-With storage tiers (lowdiff.tiers), the drainer copying committed files to the shared tier:
+With storage tiers (lowdiff.tiers.policy), the drainer copying committed files to the shared tier:
 
 ``drain-write``     a file's copy is written and synced under its temporary name in the shared tier
 ``drain-commit``    the copy is committed under its name; the shared manifest does not list it yet
 ``clean``           between two deletions of files the shared tier's committed manifest dropped
 
-In a partitioned directory resumed with fewer ranks (lowdiff.shareretention):
+In a partitioned directory resumed with fewer ranks (lowdiff.distributed.shareretention):
 
 ``dropped-clean``   between two deletions of a dropped rank's files its committed manifest dropped
 
@@ -33,7 +33,7 @@ import threading
 
 PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", "manifest-write",
           "manifest-commit", "retention")
-# Reached only with a shared tier (lowdiff.drainer): kept apart so that a single-directory run's
+# Reached only with a shared tier (lowdiff.tiers.drainer): kept apart so that a single-directory run's
 # list of phases (which tests crash at, one by one) stays as it is.
 TIER_PHASES = ("drain-write", "drain-commit", "clean")
 PARTITION_PHASES = ("dropped-clean",)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from lowdiff.capture import owned_model_state, trained_elsewhere
 from lowdiff.errors import IncompatibleCheckpointError
-from lowdiff.format import FullIndex, FullState
+from lowdiff.format.schema import FullIndex, FullState
+from lowdiff.step.boundary import owned_model_state, trained_elsewhere
 
 
 def class_path(obj) -> str:

@@ -6,11 +6,10 @@ import os
 
 import torch
 
+from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
-from lowdiff.partition import is_partitioned
-
-from .distributed import restore_partitioned
-from .restore import checkpoint_directory, restore
+from recovery.partitioned.restore import restore_partitioned
+from recovery.restore import checkpoint_directory, restore
 
 
 def _optimizer_class(path: str):

@@ -14,15 +14,14 @@ import logging
 import os
 import time
 
-from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError, DirectoryBusyError, NoCheckpointError, VersionMismatchError
-from lowdiff.format import FullIndex, FullState, StepState
-from lowdiff.fullckpt import load_full
-from lowdiff.inventory import check_entry, take_inventory
-from lowdiff.manifest import MANIFEST_NAME, BatchEntry, FullEntry, chain_end, describe_retained, plan_chain
-from lowdiff.records import StepRecord
-
-from .replay import ReplayTimes, replay
+from lowdiff.format.batchfile import BatchReader
+from lowdiff.format.fullckpt import load_full
+from lowdiff.format.records import StepRecord
+from lowdiff.format.schema import FullIndex, FullState, StepState
+from lowdiff.store.inventory import check_entry, take_inventory
+from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, FullEntry, chain_end, describe_retained, plan_chain
+from recovery.replay import ReplayTimes, replay
 
 log = logging.getLogger("lowdiff")
 _ATTEMPTS = 5   # re-reads of the directory when a live trainer's retention moved a file away

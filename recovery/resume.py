@@ -7,18 +7,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from lowdiff import LowDiffOptimizer, capture
-from lowdiff.config import Scheduler, Stateful
-from lowdiff.ddp import distributed_rank, rank_directory
+from lowdiff import LowDiffOptimizer
+from lowdiff.distributed.ddp import distributed_rank
+from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError
-from lowdiff.fullckpt import live_targets
-from lowdiff.partition import is_partitioned
-
-from .compat import check_compatible
-from .distributed import restore_partitioned
-from .replay import check_workers
-from .restore import Restored, checkpoint_directory, restore, warn
-from .tiers import restore_from_tiers, shared_tier
+from lowdiff.format.fullckpt import live_targets
+from lowdiff.step import boundary as capture
+from lowdiff.store.rankdirs import rank_directory
+from lowdiff.train.config import Scheduler, Stateful
+from recovery.compat import check_compatible
+from recovery.partitioned.restore import restore_partitioned
+from recovery.replay import check_workers
+from recovery.restore import Restored, checkpoint_directory, restore, warn
+from recovery.tiers import restore_from_tiers, shared_tier
 
 
 def restore_grad_scaler(scaler, stored) -> None:
@@ -221,7 +222,7 @@ class _Targets:
 
 def _restore_any_layout(directory: str, targets: _Targets, step: int | None, workers: int | None):
     """(Restored or None, whether this rank got its own per-rank state back). A partitioned
-    directory is restored at any world size (recovery.distributed); else, the single-process layout
+    directory is restored at any world size (recovery.partitioned.restore); else, the single-process layout
     (on every rank alike, with a warning when there are several), or rank directories of whole
     checkpoints that lowdiff wrote before partitioning existed."""
     rank, world = distributed_rank()

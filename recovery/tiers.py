@@ -11,14 +11,14 @@ import os
 
 import torch.distributed as dist
 
+from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
-from lowdiff.inventory import take_inventory
-from lowdiff.manifest import chain_end, describe_retained, plan_chain
-from lowdiff.partition import is_partitioned
-from lowdiff.tiers import read_marker
-
-from .distributed import plan_sets, restore_partitioned
-from .restore import Restored, checkpoint_directory, restore, warn
+from lowdiff.store.inventory import take_inventory
+from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
+from lowdiff.tiers.marker import read_marker
+from recovery.partitioned.plan import plan_sets
+from recovery.partitioned.restore import restore_partitioned
+from recovery.restore import Restored, checkpoint_directory, restore, warn
 
 log = logging.getLogger("lowdiff")
 TIERS = ("local", "shared")
@@ -128,7 +128,7 @@ def tier_reach(root: str, stop_step: int | None) -> int:
     manifests (at or before ``stop_step``): the smallest over its shares' chains; -1 for none.
     Its records may still fail to verify (the restore then ends earlier).
 
-    The manifests are the reconciled views restore plans with (recovery.distributed.plan): a rank
+    The manifests are the reconciled views restore plans with (recovery.partitioned.restore.plan): a rank
     whose MANIFEST.json is missing or damaged has its list rebuilt from its share files, so a tier
     is neither under-estimated (a better tier passed over) nor judged by shares restore ignores."""
     sets, _ = plan_sets(root, stop_step)
@@ -153,7 +153,7 @@ def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step:
                               optimizer_for, workers=None, into=None) -> tuple[Restored | None, str, bool]:
     """Partitioned tiers (docs/format.md, "Partitioned directories with tiers"), on every rank of
     the process group alike: restore the tier whose newest complete set reaches furthest (the
-    local one when equal) with recovery.distributed; if it ends before the other tier's plan, try
+    local one when equal) with recovery.partitioned.restore; if it ends before the other tier's plan, try
     that one and keep the further."""
     directories = dict(zip(TIERS, (local, shared)))
     reach = _agreed_reach(directories, stop_step)

@@ -11,13 +11,12 @@ import concurrent.futures
 import dataclasses
 import os
 
-from lowdiff.batchfile import BatchReader
 from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
-from lowdiff.fullckpt import load_full
-from lowdiff.inventory import check_entry, take_inventory
-from lowdiff.manifest import MANIFEST_NAME, FullEntry, Manifest, plan_chain, read_manifest
-
-from .replay import check_workers, verify_workers
+from lowdiff.format.batchfile import BatchReader
+from lowdiff.format.fullckpt import load_full
+from lowdiff.store.inventory import check_entry, take_inventory
+from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, Manifest, plan_chain, read_manifest
+from recovery.replay import check_workers, verify_workers
 
 
 @dataclasses.dataclass(frozen=True)

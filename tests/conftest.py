@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import zlib
 
 import numpy as np
@@ -10,12 +11,29 @@ import pytest
 BACKENDS = ("uring", "pwrite")
 
 
+def _uring_unusable(why: str) -> None:
+    """Skip a test of the io_uring backend where it cannot run; on CI (``CI`` set, as .ci/run runs)
+    fail instead, so that a broken ``fastio._uring`` build cannot pass on the fallback backend
+    alone. ``LOWDIFF_ALLOW_NO_URING=1`` allows the skip on a CI machine where io_uring is truly
+    unavailable (a container that blocks it)."""
+    if os.environ.get("CI") and os.environ.get("LOWDIFF_ALLOW_NO_URING") != "1":
+        pytest.fail(f"io_uring backend unusable on CI: {why} (set LOWDIFF_ALLOW_NO_URING=1 where io_uring "
+                    f"is truly unavailable)", pytrace=False)
+    pytest.skip(f"io_uring backend unusable here: {why}")
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     """A numpy Generator seeded from the test's node id: reproducible per test, distinct across tests."""
     seed = zlib.crc32(request.node.nodeid.encode())
     request.node.user_properties.append(("rng_seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def uring_unusable():
+    """The function that skips (on CI: fails) a test of io_uring that cannot run here."""
+    return _uring_unusable
 
 
 @pytest.fixture(params=BACKENDS)
@@ -27,9 +45,9 @@ def backend_name(request) -> str:
 
         usable, why = uring_available()
         if not usable:
-            pytest.skip(f"io_uring backend unusable here: {why}")
+            _uring_unusable(why)
         if importlib.util.find_spec("fastio._uring_engine") is None:
-            pytest.skip("io_uring backend not in this tree: fastio/_uring_engine.py is missing")
+            _uring_unusable("fastio/_uring_engine.py is missing")
     return name
 
 

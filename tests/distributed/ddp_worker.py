@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import lowdiff
 import recovery
-from lowdiff.demo import ShuffledSampler, state_digest
+from lowdiff.cli.demo import ShuffledSampler, state_digest
 
 
 def main():

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 import lowdiff
-import lowdiff.store
+import lowdiff.store.directory
 import recovery
-from lowdiff.demo import ShuffledSampler, state_digest
+from lowdiff.cli.demo import ShuffledSampler, state_digest
 
 
 class Net(torch.nn.Module):
@@ -178,7 +178,7 @@ def main():
         opt.step()
         opt.zero_grad()
     if args.lowest_session:   # sets of two sessions at one step: the order of their names is not the answer
-        lowdiff.store.secrets = types.SimpleNamespace(token_hex=lambda nbytes: "0" * (2 * nbytes))
+        lowdiff.store.directory.secrets = types.SimpleNamespace(token_hex=lambda nbytes: "0" * (2 * nbytes))
     if args.travel:
         time_travel(args, model, ddp, opt, sched, sampler)
         return

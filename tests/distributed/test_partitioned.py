@@ -15,10 +15,10 @@ import torch
 
 import lowdiff
 import recovery
-from lowdiff.cli import main as cli
-from lowdiff.manifest import read_manifest, write_manifest
-from lowdiff.partition import rank_directories
-from lowdiff.sharefile import parse_diff_share
+from lowdiff.cli.main import main as cli
+from lowdiff.distributed.partition import rank_directories
+from lowdiff.format.sharefile import parse_diff_share
+from lowdiff.store.manifest import read_manifest, write_manifest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import partition_worker  # noqa: E402
@@ -142,7 +142,7 @@ def test_partitioned_directory_stays_partitioned_with_one_process(tmp_path, refe
 
 
 def test_cli_understands_partitioned_directories(tmp_path, reference, capsys):
-    from lowdiff.cli import main
+    from lowdiff.cli.main import main
 
     ref, directory = reference
     assert main(["inspect", str(directory)]) == 0

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import recovery
-from lowdiff.cli import main as cli
+from lowdiff.cli.main import main as cli
+from lowdiff.distributed.partition import rank_directories
 from lowdiff.errors import MissingRankDirectoryError
-from lowdiff.manifest import read_manifest, write_manifest
-from lowdiff.partition import rank_directories
-from lowdiff.sharefile import parse_diff_share
+from lowdiff.format.sharefile import parse_diff_share
+from lowdiff.store.manifest import read_manifest, write_manifest
 from recovery.tiers import tier_reach
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 import recovery
-from recovery import distributed
+from recovery.partitioned import restore as distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
 import partition_worker  # noqa: E402

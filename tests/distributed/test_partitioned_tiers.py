@@ -15,9 +15,9 @@ import time
 import torch
 
 import recovery
-from lowdiff import cli
-from lowdiff.manifest import read_manifest
-from lowdiff.partition import rank_directories, rank_directory
+from lowdiff.cli import main as cli
+from lowdiff.distributed.partition import rank_directories, rank_directory
+from lowdiff.store.manifest import read_manifest
 from recovery.tiers import tier_reach
 
 sys.path.insert(0, os.path.dirname(__file__))

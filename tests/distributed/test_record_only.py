@@ -6,8 +6,8 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import socket, torch, torch.distributed as dist
-    from lowdiff.compress import TopK
-    from lowdiff.stepcapture import StepCapture
+    from lowdiff.step.compress import TopK
+    from lowdiff.capture.stepcapture import StepCapture
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -8,8 +8,8 @@ the single-process tests against training without lowdiff.)"""
 import os
 import sys
 
-from lowdiff.manifest import read_manifest
-from lowdiff.partition import rank_directory
+from lowdiff.distributed.partition import rank_directory
+from lowdiff.store.manifest import read_manifest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_partitioned import STEPS, digests, launch, ok  # noqa: E402

@@ -6,8 +6,8 @@ import os
 import sys
 
 import fastio
-from lowdiff.cli import main as cli
-from lowdiff.sharefile import read_full_share_index
+from lowdiff.cli.main import main as cli
+from lowdiff.format.sharefile import read_full_share_index
 
 sys.path.insert(0, os.path.dirname(__file__))
 from partition_runs import STEPS, digests, launch, ok  # noqa: E402

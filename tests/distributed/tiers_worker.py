@@ -13,8 +13,8 @@ from partition_worker import build, compressor, shared_digest
 
 import lowdiff
 import recovery
-from lowdiff.demo import state_digest
-from lowdiff.tiers import KeepAll, KeepLast, Tiers
+from lowdiff.cli.demo import state_digest
+from lowdiff.tiers.policy import KeepAll, KeepLast, Tiers
 
 
 def policy(text):

@@ -2,7 +2,7 @@
 the inventory of a checkpoint directory (which files verify, which the manifest retires), in-process
 resumes, and damage done to files.
 
-Nothing here mocks lowdiff: trainers are ``python -m lowdiff.demo`` processes, files are real files,
+Nothing here mocks lowdiff: trainers are ``python -m lowdiff.cli.demo`` processes, files are real files,
 and "verifies" is decided from the bytes on disk (docs/format.md), not from what lowdiff believes.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import fastio
 import lowdiff
 import recovery
-from lowdiff import cli
-from lowdiff.demo import build, compressor_from, state_digest
+from lowdiff.cli import main as cli
+from lowdiff.cli.demo import build, compressor_from, state_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300          # only against hangs; nothing is timed
@@ -100,7 +100,7 @@ class Result:
 
 @dataclasses.dataclass
 class Trainer:
-    """``python -m lowdiff.demo train DIR ...``, optionally with ``LOWDIFF_FAULT``; stdout, stderr
+    """``python -m lowdiff.cli.demo train DIR ...``, optionally with ``LOWDIFF_FAULT``; stdout, stderr
     and digests go to files under ``workdir`` named after ``name``."""
 
     directory: str
@@ -116,7 +116,7 @@ class Trainer:
     def start(self) -> Running:
         paths = {k: os.path.join(self.workdir, f"{self.name}.{k}") for k in ("out", "err", "digests")}
         out, err = open(paths["out"], "w"), open(paths["err"], "w")
-        args = [sys.executable, "-m", "lowdiff.demo", "train", str(self.directory), "--steps", str(self.steps),
+        args = [sys.executable, "-m", "lowdiff.cli.demo", "train", str(self.directory), "--steps", str(self.steps),
                 "--optimizer", self.optimizer, "--compressor", self.compressor,
                 "--full-every", str(self.full_every), "--batch-steps", str(self.batch_steps),
                 "--digests", paths["digests"]]

@@ -8,7 +8,7 @@ import torch
 
 import lowdiff
 import recovery
-from lowdiff.demo import ShuffledSampler, forward_backward
+from lowdiff.cli.demo import ShuffledSampler, forward_backward
 
 FULL_EVERY = 6
 BATCH_STEPS = 3
@@ -47,7 +47,7 @@ def train_steps(model, opt, sched, sampler, start, stop, on_step=None):
 def reference_digests(steps: int) -> dict:
     """{step: state digest} of the uninterrupted run without lowdiff (same compression), from
     step 0 to ``steps``: what every resume of a ``wrap``/``train_steps`` run must reproduce."""
-    from lowdiff.demo import _compress_in_place, state_digest
+    from lowdiff.cli.demo import _compress_in_place, state_digest
 
     model, opt, sched, sampler = build()
     compressor = lowdiff.TopK(ratio=0.1, min_numel=256)
@@ -66,7 +66,7 @@ def resumed_digest(directory, step=None):
     """Resume ``directory`` into freshly built objects (at ``step``; None: the newest) with the
     RNGs first moved away from any state a checkpoint holds, so that only what resume restores
     counts. Returns (what resume returned, digest of the restored state)."""
-    from lowdiff.demo import state_digest
+    from lowdiff.cli.demo import state_digest
 
     model, opt, sched, sampler = build()
     torch.manual_seed(4321)

@@ -55,8 +55,8 @@ def test_grad_scaler_skips_are_recorded_and_resume_is_exact(tmp_path):
 
 def test_skipped_step_is_recorded_as_skipped(tmp_path):
     train(tmp_path / "run", 0, 4)
-    from lowdiff.batchfile import BatchReader
-    from lowdiff.manifest import read_manifest
+    from lowdiff.format.batchfile import BatchReader
+    from lowdiff.store.manifest import read_manifest
 
     manifest = read_manifest(str(tmp_path / "run"))
     skipped = {}

@@ -5,7 +5,7 @@ from lowdiff_helpers import build, reference_digests, resumed_digest, train_step
 
 import lowdiff
 import recovery
-from lowdiff.demo import state_digest
+from lowdiff.cli.demo import state_digest
 
 STEPS = 40
 

@@ -17,9 +17,9 @@ from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
 
 import fastio
 import recovery
-from lowdiff.demo import forward_backward, state_digest
-from lowdiff.fullckpt import load_full
-from lowdiff.manifest import read_manifest
+from lowdiff.cli.demo import forward_backward, state_digest
+from lowdiff.format.fullckpt import load_full
+from lowdiff.store.manifest import read_manifest
 
 
 def full_checkpoints(directory) -> dict:
@@ -152,8 +152,8 @@ def test_close_right_after_a_full_step_commits_it(tmp_path):
 
 def rewrite_index(path: str, change) -> None:
     """Replace the index of a full checkpoint by ``change(index)`` (a valid trailer follows)."""
-    from lowdiff import container
-    from lowdiff.fullckpt import read_full_index
+    from lowdiff.format import container
+    from lowdiff.format.fullckpt import read_full_index
     index = read_full_index(path).to_json()
     with open(path, "rb") as f:
         data = f.read()

@@ -13,7 +13,7 @@ import time
 from lowdiff_helpers import build, train_steps, wrap
 
 import recovery
-from lowdiff.demo import state_digest
+from lowdiff.cli.demo import state_digest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

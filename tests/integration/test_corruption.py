@@ -30,12 +30,13 @@ from lowdiff_helpers import build, forward_backward, resumed_digest, train_steps
 import fastio
 import lowdiff
 import recovery
-from lowdiff import cli, container, payloadread
-from lowdiff.batchfile import BatchReader
-from lowdiff.demo import state_digest
-from lowdiff.fullckpt import load_full, read_full_index
-from lowdiff.manifest import MANIFEST_NAME, read_manifest
-from lowdiff.records import RECORD_HEADER
+from lowdiff.cli import main as cli
+from lowdiff.cli.demo import state_digest
+from lowdiff.format import container, payloadread
+from lowdiff.format.batchfile import BatchReader
+from lowdiff.format.fullckpt import load_full, read_full_index
+from lowdiff.format.records import RECORD_HEADER
+from lowdiff.store.manifest import MANIFEST_NAME, read_manifest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 23      # with lowdiff_helpers' settings: fulls 0, 6, 12, 18; batches 1-3, ..., 19-21, 22-23

@@ -14,7 +14,7 @@ STEPS = 30
 
 
 def _resume(directory, step=None):
-    from lowdiff.demo import state_digest
+    from lowdiff.cli.demo import state_digest
 
     model, opt, sched, sampler = build()
     got = recovery.resume(str(directory), model, opt, step=step, scheduler=sched, extra_state={"sampler": sampler})
@@ -110,7 +110,7 @@ def test_probes_of_what_recording_costs_keep_every_durable_step_exact(tmp_path, 
     durable only through that full checkpoint; every durable step resumes exactly."""
     import time
 
-    from lowdiff.controller import PROBE_MIN_FULL_EVERY
+    from lowdiff.control.controller import PROBE_MIN_FULL_EVERY
 
     steps = 3 * PROBE_MIN_FULL_EVERY
     reference = reference_digests(steps)

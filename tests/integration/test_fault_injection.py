@@ -6,9 +6,9 @@ and a full filesystem. The contract, for each fault:
 * no checkpoint file that verifies is ever deleted, except files the committed manifest lists as
   ``retired`` (dropped by a committed manifest, deletion maybe not done yet).
 
-Trainers are real ``python -m lowdiff.demo train`` processes; a fault is ``LOWDIFF_FAULT=PHASE:N``
+Trainers are real ``python -m lowdiff.cli.demo train`` processes; a fault is ``LOWDIFF_FAULT=PHASE:N``
 (lowdiff/faults.py), which makes the trainer SIGKILL itself the N-th time it reaches PHASE. The
-uninterrupted run is ``python -m lowdiff.demo reference``. Two trainers run side by side (see
+uninterrupted run is ``python -m lowdiff.cli.demo reference``. Two trainers run side by side (see
 ``fault_helpers.run_scenarios``) to keep the default selection within CI budgets; longer random
 crash chains are marked ``soak`` (``pytest -m soak``).
 
@@ -53,8 +53,9 @@ from fault_helpers import (
 
 import lowdiff
 import recovery
-from lowdiff import demo, faults
-from lowdiff.demo import build, compressor_from, forward_backward, state_digest
+from lowdiff import faults
+from lowdiff.cli import demo
+from lowdiff.cli.demo import build, compressor_from, forward_backward, state_digest
 
 STEPS = 30                 # crash chains of the default selection
 REF_STEPS = 40             # the reference run (soak chains train this far)
@@ -84,7 +85,7 @@ def reference(tmp_path_factory):
     work = tmp_path_factory.mktemp("reference")
     path = work / "reference.digests"
     log = open(work / "reference.err", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "lowdiff.demo", "reference", "--steps", str(REF_STEPS),
+    proc = subprocess.Popen([sys.executable, "-m", "lowdiff.cli.demo", "reference", "--steps", str(REF_STEPS),
                              "--digests", str(path)], stdout=subprocess.DEVNULL, stderr=log, env=env(), cwd=REPO)
     cache: dict = {}
 

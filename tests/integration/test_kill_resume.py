@@ -1,10 +1,10 @@
 """Killing a real training process and resuming it in a new one gives the exact training state.
 
-The trainer is ``python -m lowdiff.demo train`` (BatchNorm + Dropout, AdamW or SGD with Nesterov
+The trainer is ``python -m lowdiff.cli.demo train`` (BatchNorm + Dropout, AdamW or SGD with Nesterov
 momentum, CosineAnnealingLR passed as ``scheduler=``, a stateful sampler in ``extra_state``,
 gradient clipping, python/numpy/torch RNG all used). It appends "step sha256" lines to a digests
 file, the hash covering model, optimizer state, scheduler, sampler and RNG states byte for byte.
-``python -m lowdiff.demo reference`` is the same training without lowdiff (same compression).
+``python -m lowdiff.cli.demo reference`` is the same training without lowdiff (same compression).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 from lowdiff_helpers import build, train_steps, wrap
 
 import recovery
-from lowdiff import cli
-from lowdiff.demo import state_digest
+from lowdiff.cli import main as cli
+from lowdiff.cli.demo import state_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
@@ -37,7 +37,7 @@ def _env():
 
 
 def demo(mode, *args, digests, stderr):
-    return subprocess.Popen([sys.executable, "-m", "lowdiff.demo", mode, *args, "--digests", str(digests)],
+    return subprocess.Popen([sys.executable, "-m", "lowdiff.cli.demo", mode, *args, "--digests", str(digests)],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(), cwd=REPO)
 
 
@@ -86,7 +86,7 @@ def references(tmp_path_factory):
 
 
 class Trainer:
-    """One ``lowdiff.demo train`` process on ``directory``."""
+    """One ``lowdiff.cli.demo train`` process on ``directory``."""
 
     def __init__(self, tmp_path, directory, optimizer, compressor, full_every, batch_steps, name):
         self.digests_path = tmp_path / f"{name}.digests"

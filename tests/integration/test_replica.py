@@ -12,9 +12,9 @@ from lowdiff_helpers import build
 
 import lowdiff
 import recovery
-from lowdiff import replica as replica_module
-from lowdiff.demo import batch, state_digest
-from lowdiff.manifest import read_manifest
+from lowdiff.cli.demo import batch, state_digest
+from lowdiff.persist import replica as replica_module
+from lowdiff.store.manifest import read_manifest
 
 HANG_GUARD_S = 60   # only against hangs; nothing is timed
 

@@ -1,4 +1,4 @@
-"""Replica mode under SIGKILL: a real ``lowdiff.demo train --replica`` process is killed (at a random
+"""Replica mode under SIGKILL: a real ``lowdiff.cli.demo train --replica`` process is killed (at a random
 step, or by a fault point right after a replica checkpoint is committed), a new process resumes
 from the newest persisted replica plus the differentials after it — at least at the newest step
 the killed process reported durable — and every state from the resumed step to the end equals the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff import cli
+from lowdiff.cli import main as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
@@ -29,7 +29,7 @@ def start(mode, tmp_path, name, optimizer, extra, directory=None, fault=None):
     env.pop("LOWDIFF_FAULT", None)
     if fault:
         env["LOWDIFF_FAULT"] = fault
-    args = [sys.executable, "-m", "lowdiff.demo", mode, *([str(directory)] if directory else []),
+    args = [sys.executable, "-m", "lowdiff.cli.demo", mode, *([str(directory)] if directory else []),
             "--steps", str(STEPS), "--optimizer", optimizer, "--compressor", "dense", *extra,
             "--digests", str(tmp_path / f"{name}.digests")]
     if mode == "train":

@@ -20,9 +20,9 @@ from lowdiff_helpers import build, reference_digests, resumed_digest, train_step
 
 import lowdiff
 import recovery
-from lowdiff import cli
-from lowdiff.demo import state_digest
-from lowdiff.manifest import MANIFEST_NAME, read_manifest
+from lowdiff.cli import main as cli
+from lowdiff.cli.demo import state_digest
+from lowdiff.store.manifest import MANIFEST_NAME, read_manifest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -250,7 +250,7 @@ def test_a_write_error_is_sticky_and_never_looks_like_a_change_outside_step(tiny
 def test_readers_beside_a_live_trainer_see_a_consistent_state(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "lowdiff.demo", "train", ckpt, "--steps", "400",
+    proc = subprocess.Popen([sys.executable, "-m", "lowdiff.cli.demo", "train", ckpt, "--steps", "400",
                              "--full-every", "2", "--batch-steps", "1"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
     try:

@@ -12,9 +12,9 @@ import torch
 
 import lowdiff
 import recovery
-from lowdiff import tree
-from lowdiff.fullckpt import read_full_index
-from lowdiff.manifest import read_manifest
+from lowdiff.format import tree
+from lowdiff.format.fullckpt import read_full_index
+from lowdiff.store.manifest import read_manifest
 
 VOCAB, WIDTH, STEPS = 48, 32, 12
 

@@ -1,9 +1,9 @@
-"""Storage tiers (lowdiff.tiers, lowdiff.drainer, recovery.tiers), in process: the shared tier gets
+"""Storage tiers (lowdiff.tiers.policy, lowdiff.tiers.drainer, recovery.tiers), in process: the shared tier gets
 every committed file and resumes exactly without the local one; retention policies keep exactly
 what they say and every kept state resumes exactly; storage is bounded with cleaning and grows
 without; the drainer never stalls training below the lag bound and applies backpressure above it.
 
-Digests are compared with an uninterrupted run without lowdiff (lowdiff.demo), one torch thread.
+Digests are compared with an uninterrupted run without lowdiff (lowdiff.cli.demo), one torch thread.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 
 import lowdiff
 import recovery
-from lowdiff import drainer as drainer_module
-from lowdiff.demo import build, compressor_from, forward_backward, state_digest, train
-from lowdiff.inventory import take_inventory
-from lowdiff.tiers import KeepAll, KeepEvery, KeepLast, Tiers
+from lowdiff.cli.demo import build, compressor_from, forward_backward, state_digest, train
+from lowdiff.store.inventory import take_inventory
+from lowdiff.tiers import drainer as drainer_module
+from lowdiff.tiers.policy import KeepAll, KeepEvery, KeepLast, Tiers
 
 STEPS = 30
 
@@ -239,7 +239,7 @@ def test_training_runs_free_below_the_lag_bound_then_backpressure(tmp_path, refe
 
 
 def test_inspect_shows_both_tiers(tmp_path, capsys):
-    from lowdiff import cli
+    from lowdiff.cli import main as cli
 
     local, shared = tmp_path / "local", tmp_path / "shared"
     run_to(local, Tiers(str(shared), shared=KeepEvery(5, last=1)), 9)

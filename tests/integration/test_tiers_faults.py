@@ -1,4 +1,4 @@
-"""Storage tiers under SIGKILL: a trainer staging to a shared tier (``python -m lowdiff.demo train
+"""Storage tiers under SIGKILL: a trainer staging to a shared tier (``python -m lowdiff.cli.demo train
 --shared-dir``) is killed at a random point of a drain, a clean or a commit (``LOWDIFF_FAULT``,
 lowdiff/faults.py), then restarted. Each time:
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 from fault_helpers import Trainer, durable_step, raise_failures, run_scenarios, verify
 
-from lowdiff.demo import train
+from lowdiff.cli.demo import train
 
 STEPS = 24
 FULL_EVERY = 3

@@ -11,8 +11,8 @@ from lowdiff_helpers import build, reference_digests, resumed_digest, train_dire
 
 import lowdiff
 import recovery
-from lowdiff.demo import state_digest
-from lowdiff.manifest import read_manifest
+from lowdiff.cli.demo import state_digest
+from lowdiff.store.manifest import read_manifest
 
 STEPS = 23   # lowdiff_helpers: full_every 6, batch_steps 3, keep_full 4: fulls 0, 6, 12, 18
 

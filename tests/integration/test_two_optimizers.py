@@ -55,8 +55,8 @@ def test_two_optimizers_over_one_model_resume_exactly(tmp_path):
 def test_each_directory_holds_only_its_optimizers_parameters(tmp_path):
     run(tmp_path / "ckpt", 3)
     model, adamw, sgd = build()
-    from lowdiff.fullckpt import load_full
-    from lowdiff.manifest import read_manifest
+    from lowdiff.format.fullckpt import load_full
+    from lowdiff.store.manifest import read_manifest
     for name, optimizer in (("matrices", adamw), ("rest", sgd)):
         directory = tmp_path / "ckpt" / name
         full = read_manifest(str(directory)).fulls[-1]

@@ -7,8 +7,8 @@ import os
 from lowdiff_helpers import reference_digests, resumed_digest, train_directory
 
 import recovery
-from lowdiff.manifest import read_manifest
-from lowdiff.records import RECORD_HEADER
+from lowdiff.format.records import RECORD_HEADER
+from lowdiff.store.manifest import read_manifest
 
 STEPS = 23   # fulls 0, 6, 12, 18 (keep_full 4); batches of 3
 

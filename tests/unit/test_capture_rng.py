@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from lowdiff import capture, tree
-from lowdiff.betweensteps import changed_rng_sources
+from lowdiff.capture.betweensteps import changed_rng_sources
+from lowdiff.format import tree
+from lowdiff.step import boundary as capture
 
 
 def draws():

@@ -6,8 +6,7 @@ import logging
 
 import pytest
 
-from lowdiff.config import WrapConfig
-from lowdiff.controller import (
+from lowdiff.control.controller import (
     AUTO_INITIAL_BATCH_STEPS,
     AUTO_INITIAL_FULL_EVERY,
     LEARNING_FACTOR,
@@ -19,7 +18,8 @@ from lowdiff.controller import (
     choose,
     process_age_s,
 )
-from lowdiff.costmodel import Evaluation, Limits, solve
+from lowdiff.control.costmodel import Evaluation, Limits, solve
+from lowdiff.train.config import WrapConfig
 
 
 def feed(controller, *, step_s=0.1, optimizer_s=0.01, record_s=0.0, stall_s=0.05, persist_s=0.5,
@@ -156,7 +156,7 @@ def test_a_full_checkpoint_is_charged_the_slowdown_of_the_steps_it_overlaps():
 
 
 def test_tune_prints_the_recommendation_from_saved_stats(tmp_path, capsys):
-    from lowdiff import cli
+    from lowdiff.cli import main as cli
 
     controller = Controller(WrapConfig(full_every=10, batch_steps=4))
     feed(controller)
@@ -171,7 +171,7 @@ def test_tune_prints_the_recommendation_from_saved_stats(tmp_path, capsys):
 
 
 def test_tune_names_what_is_missing(capsys):
-    from lowdiff import cli
+    from lowdiff.cli import main as cli
 
     assert cli.main(["tune", "--failure-rate-per-hour", "1", "--step-s", "0.1"]) == 2
     assert "stall_s" in capsys.readouterr().err
@@ -259,7 +259,7 @@ def test_process_age_is_measured():
 
 
 class FakeSession:
-    """What lowdiff.session does with the controller's switch, step by step, on a fake clock:
+    """What lowdiff.persist.session does with the controller's switch, step by step, on a fake clock:
     differentials stop at once, start again only after a full checkpoint (the step that sees the
     change takes one). Steps take ``with_s`` recording (of which the training thread sees
     ``in_thread_s``), ``without_s`` not; a full checkpoint stalls ``stall_s``, slows the step
@@ -271,7 +271,7 @@ class FakeSession:
         self.controller, self.with_s, self.without_s = controller, with_s, without_s
         self.in_thread_s, self.stall_s, self.full_slowdown_s = in_thread_s, stall_s, full_slowdown_s
         self.now = 100.0
-        monkeypatch.setattr("lowdiff.controller.time.perf_counter", lambda: self.now)
+        monkeypatch.setattr("lowdiff.control.controller.time.perf_counter", lambda: self.now)
         self.recording = controller.differentials
         self.step, self.last_full, self.full_due, self.switch_on = 0, 0, False, False
         self.fulls, self.modes, self.recorded = [], [], 0
@@ -310,7 +310,7 @@ def test_the_probe_times_steps_without_differentials_before_full_checkpoints_due
     checkpoint that is due anyway without recording: the cost model sees what recording really
     costs (4% of a step here, of which the training thread's own part is only 0.5 ms of 4), and no
     full checkpoint is added but the first probe's. (Failures every 10 s: differentials stay.)"""
-    from lowdiff.controller import PROBE_EVERY_FULLS, PROBE_STEPS, PROBE_WARMUP
+    from lowdiff.control.controller import PROBE_EVERY_FULLS, PROBE_STEPS, PROBE_WARMUP
 
     controller = Controller(WrapConfig(full_every=40, batch_steps=4, differentials="auto",
                                        failure_rate_per_hour=360.0))
@@ -362,7 +362,7 @@ def test_with_differentials_off_the_probe_records_a_few_steps_after_a_due_full(m
     """Off, the probe turns recording on at a full checkpoint that is due anyway (a chain starts
     there) and off again after PROBE_STEPS clean steps; the costs follow the machine: recording
     got cheaper (10%), and the ratio measured beside steps without shows it."""
-    from lowdiff.controller import PROBE_STEPS
+    from lowdiff.control.controller import PROBE_STEPS
 
     controller = Controller(WrapConfig(full_every=30, batch_steps=4, differentials="auto"))
     controller.differentials = False
@@ -479,7 +479,7 @@ def test_a_probes_sample_is_kept_in_the_measurements_file_at_the_next_batch(tmp_
     """A probe costs a few unrecorded steps: its sample is written to CONTROLLER.json by the diff
     writer at the next batch, not only at the next full checkpoint (a SIGKILL before it would
     make the restarted session probe again)."""
-    from lowdiff.controller import _Probe
+    from lowdiff.control.controller import _Probe
 
     controller = Controller(WrapConfig(full_every=40, batch_steps=4, differentials="auto"))
     controller.load_state(str(tmp_path))

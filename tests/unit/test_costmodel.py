@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lowdiff.costmodel import (
+from lowdiff.control.costmodel import (
     Costs,
     Limits,
     checkfreq_full_every,

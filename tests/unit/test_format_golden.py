@@ -14,11 +14,11 @@ import torch
 import zstandard
 
 import recovery
-from lowdiff.batchfile import write_batch
-from lowdiff.compress import Compressed
-from lowdiff.fullckpt import Snapshot
-from lowdiff.manifest import BatchEntry, FullEntry, Manifest, write_manifest
-from lowdiff.records import StepRecord
+from lowdiff.format.batchfile import write_batch
+from lowdiff.format.fullckpt import Snapshot
+from lowdiff.format.records import StepRecord
+from lowdiff.step.compress import Compressed
+from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, write_manifest
 
 RUN, SESSION = "0123456789abcdef", "0a1b2c3d"
 FULL_NAME = f"full-000000000000-{SESSION}.ldf"
@@ -159,7 +159,7 @@ def test_lowdiff_writes_the_bytes_the_spec_describes(tmp_path):
                                    Compressed("sparse", 10, torch.tensor(SPARSE_V),
                                               torch.tensor(INDICES_V, dtype=torch.int32))], record_objects())
     batch_path = str(tmp_path / DIFF_NAME)
-    from lowdiff.records import encode_record
+    from lowdiff.format.records import encode_record
     write_batch(batch_path, SESSION, [(1, encode_record(record))], run=RUN)
     assert (tmp_path / DIFF_NAME).read_bytes() == hand_batch()
 

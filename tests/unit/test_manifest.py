@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 import lowdiff
 from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
-from lowdiff.inventory import load_view
-from lowdiff.manifest import (
+from lowdiff.store.directory import CheckpointStore
+from lowdiff.store.inventory import load_view
+from lowdiff.store.manifest import (
     MANIFEST_NAME,
     BatchEntry,
     FullEntry,
@@ -27,7 +28,6 @@ from lowdiff.manifest import (
     read_manifest,
     write_manifest,
 )
-from lowdiff.store import CheckpointStore
 
 
 def full(step, session="aaaaaaaa"):

@@ -1,10 +1,10 @@
-"""lowdiff.nonzero: the elements a sparse record of a gradient must hold, judged by bits."""
+"""lowdiff.distributed.nonzero: the elements a sparse record of a gradient must hold, judged by bits."""
 import pytest
 import torch
 
-from lowdiff.compress import decompress_into
-from lowdiff.ddp import AggregatedRecorder
-from lowdiff.nonzero import _nonzero_torch, nonzero_elements
+from lowdiff.distributed.ddp import AggregatedRecorder
+from lowdiff.distributed.nonzero import _nonzero_torch, nonzero_elements
+from lowdiff.step.compress import decompress_into
 
 
 def bits_reference(flat: torch.Tensor):
@@ -90,7 +90,7 @@ def test_aggregated_record_replays_to_the_same_bytes():
 def test_the_scan_stores_the_first_capacity_and_never_writes_past_it(capacity, itemsize_dtype):
     """The 4-byte scan stores 8 lanes at a time (AVX2 where the CPU has it): it must still store
     exactly the first ``capacity`` elements and nothing beyond them, and count them all."""
-    from lowdiff._nonzero import nonzero_into
+    from lowdiff.distributed._nonzero import nonzero_into
     g = torch.Generator().manual_seed(capacity)
     flat = torch.zeros(1003, dtype=itemsize_dtype)
     picked = torch.randperm(1003, generator=g)[:300]

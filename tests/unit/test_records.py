@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import fastio
 import lowdiff
 import recovery
-from lowdiff.batchfile import BatchReader, write_batch
-from lowdiff.compress import Compressed, Dense, TopK, decompress_into
 from lowdiff.errors import CorruptCheckpointError
-from lowdiff.records import RECORD_HEADER, StepRecord, decode_record, encode_record
+from lowdiff.format.batchfile import BatchReader, write_batch
+from lowdiff.format.records import RECORD_HEADER, StepRecord, decode_record, encode_record
+from lowdiff.step.compress import Compressed, Dense, TopK, decompress_into
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -142,7 +142,7 @@ def test_a_record_decoded_from_a_buffer_handed_over_is_the_same_and_made_of_view
 
 
 def test_dense_values_decoded_from_their_own_buffer_join_without_a_copy():
-    from lowdiff.apply import GradientBuffers
+    from lowdiff.step.apply import GradientBuffers
     params = [torch.zeros(3, 5), torch.zeros(7), torch.zeros(2, 2)]
     grads = [Compressed("dense", p.numel(), torch.randn(p.numel())) for p in params]
     data = encoded(StepRecord(4, False, grads, {"groups_used": [], "groups_after": []}))
@@ -423,7 +423,7 @@ def test_a_dense_step_is_applied_from_the_records_values_without_a_copy():
     """The optimizer steps on views of the record's values (a dense record is the size of the
     model: no copy of it into the gradient buffers); afterwards the parameters have their buffer
     views back, and a later sparse step still writes exactly its gradient."""
-    from lowdiff.apply import GradientBuffers
+    from lowdiff.step.apply import GradientBuffers
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7))]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -469,9 +469,9 @@ def reference_deltas(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
 @given(st.lists(st.tuples(st.integers(1, 2**31 - 1), st.integers(0, 300), st.integers(0, 2**32 - 1)),
                 min_size=1, max_size=6))
 def test_index_deltas_match_the_format_definition_and_decode_back(tensors):
-    """lowdiff._deltas against the format's definition: mixed widths, empty tensors, a tensor
+    """lowdiff.format._deltas against the format's definition: mixed widths, empty tensors, a tensor
     whose indices start high (its first delta is its first index)."""
-    from lowdiff._deltas import decode_deltas, encode_deltas
+    from lowdiff.format._deltas import decode_deltas, encode_deltas
     flats, counts = [], []
     for numel, count, seed in tensors:
         picked = np.random.default_rng(seed).choice(numel, size=min(count, numel), replace=False)

@@ -1,10 +1,10 @@
-"""Retention policies (lowdiff.retention): what each keeps, exactly, on hand-built manifests."""
+"""Retention policies (lowdiff.store.retention): what each keeps, exactly, on hand-built manifests."""
 from __future__ import annotations
 
 import pytest
 
-from lowdiff.manifest import BatchEntry, FullEntry, Manifest, diff_name, full_name
-from lowdiff.retention import KeepAll, KeepEvery, KeepLast
+from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, diff_name, full_name
+from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast
 
 
 def full(step, session="aaaaaaaa"):
@@ -93,7 +93,7 @@ def test_keep_last_drops_an_earlier_sessions_full_at_the_step_a_resumed_session_
 
 
 def test_partitioned_tier_counts_complete_sets_and_keeps_newer_incomplete_shares():
-    from lowdiff.retention import retain_sets
+    from lowdiff.store.retention import retain_sets
 
     def sets(*steps):
         return {(s, "aaaaaaaa") for s in steps}

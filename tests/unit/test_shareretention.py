@@ -1,8 +1,8 @@
-"""The rule a dropped rank's directory follows (lowdiff.shareretention.follow) and the set arithmetic
-of a partitioned directory (lowdiff.partition): complete sets, reach, durable step, retained steps."""
-from lowdiff.manifest import BatchEntry, FullEntry, Manifest
-from lowdiff.partition import ShareSet, durable_step, full_sets, retained_ranges
-from lowdiff.shareretention import follow
+"""The rule a dropped rank's directory follows (lowdiff.distributed.shareretention.follow) and the set arithmetic
+of a partitioned directory (lowdiff.distributed.partition): complete sets, reach, durable step, retained steps."""
+from lowdiff.distributed.partition import ShareSet, durable_step, full_sets, retained_ranges
+from lowdiff.distributed.shareretention import follow
+from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest
 
 
 def full(step, session):

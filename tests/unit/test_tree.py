@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lowdiff import tree
 from lowdiff.errors import CorruptCheckpointError
+from lowdiff.format import tree
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8))
 keys = st.one_of(st.text(max_size=4), st.integers(-5, 5), st.sampled_from(["t", "d", "x", "b"]))

@@ -1,0 +1,143 @@
+"""Training-loop patterns lowdiff cannot make exact: refused at ``wrap()`` when they would fail
+half-way through a step, named in a warning (once) when they can only be seen while training runs.
+
+Refused, before anything is written: optimizers that re-evaluate the loss several times per step
+(LBFGS: one recorded gradient cannot replay it), sparse gradients (SparseAdam, ``sparse=True``
+embeddings), and a ``scheduler`` whose ``step()`` needs arguments (ReduceLROnPlateau needs a metric;
+lowdiff would call it without one after the optimizer had already stepped).
+
+Loops that do work between steps (validation, ReduceLROnPlateau, an EMA, a scheduler the loop
+steps) use ``wrap(boundary="manual")`` and call ``opt.boundary()`` when that work is done.
+
+Warned: an LR scheduler attached to the optimizer but given to lowdiff neither as ``scheduler`` nor
+in ``extra_state`` (its position would not be saved), and a scheduler stepped between two
+``opt.step()`` calls — the one given as ``scheduler`` (lowdiff steps it too: twice per step) or one
+in ``extra_state`` (captured at the end of ``opt.step()``, before the loop stepped it, so a resumed
+schedule would lag by a step) — and an ``AveragedModel`` (EMA) in ``extra_state`` updated between
+them (a resumed average would lag one update). Random numbers drawn and buffers changed between
+steps: lowdiff.capture.betweensteps.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+import warnings
+
+import torch
+
+_PLATEAU_HINT = ("Step it yourself after validation, pass it in extra_state and wrap with "
+                 "boundary=\"manual\", calling opt.boundary() once that work is done")
+
+
+def refuse_unreplayable(optimizer, model, scheduler) -> None:
+    """Raise (TypeError/ValueError naming the object and what to do) for what cannot be recorded."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("torch.optim.LBFGS evaluates the closure several times per step, each time with "
+                        "new gradients: one recorded gradient cannot replay its step, so lowdiff cannot "
+                        "checkpoint it per step (checkpoint it with full state saves instead)")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise TypeError("torch.optim.SparseAdam needs sparse gradients, which lowdiff does not record")
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            raise ValueError(f"module {name!r} ({type(module).__name__}) has sparse=True: its sparse gradients "
+                             f"are not recorded; build it with sparse=False")
+    if scheduler is not None and _step_needs_arguments(scheduler):
+        raise TypeError(f"scheduler ({type(scheduler).__name__}) needs arguments to step(); lowdiff steps "
+                        f"the scheduler without arguments at the end of opt.step(). " + _PLATEAU_HINT)
+
+
+def _step_needs_arguments(scheduler) -> bool:
+    try:
+        signature = inspect.signature(scheduler.step)
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in signature.parameters.values())
+
+
+def warn_unsaved_scheduler(optimizer, scheduler, extra_state) -> None:
+    """torch marks an optimizer's step once an LR scheduler is built on it; if lowdiff was given
+    no scheduler of that optimizer, its position would be lost at resume."""
+    if not getattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched", False):
+        return
+    given = [scheduler, *(extra_state or {}).values()]
+    if any(getattr(obj, "optimizer", None) is optimizer for obj in given if obj is not None):
+        return
+    warnings.warn("an LR scheduler is attached to this optimizer but lowdiff was not given it: its position "
+                  "is not checkpointed and a resumed run would restart the schedule. Pass it as "
+                  "wrap(scheduler=...) and let opt.step() step it (do not step it yourself)",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _position(obj):
+    """How far a scheduler has stepped (its ``last_epoch``, or for one that only steps others —
+    ``ChainedScheduler`` has no ``last_epoch`` of its own — the positions of those), or how many
+    updates an ``AveragedModel`` (EMA, SWA) has averaged."""
+    if isinstance(obj, torch.optim.swa_utils.AveragedModel):
+        return int(obj.n_averaged.item())
+    if hasattr(obj, "last_epoch"):
+        return obj.last_epoch
+    return tuple(_position(inner) for inner in getattr(obj, "_schedulers", ()))
+
+
+class SchedulerWatch:
+    """Sees schedulers stepped, and EMAs (``AveragedModel``) updated, between ``opt.step()`` calls
+    (by their position, see _position)."""
+
+    def __init__(self, scheduler, extra_state: dict):
+        self.watched = {"scheduler": scheduler} if scheduler is not None else {}
+        self.watched.update({f"extra_state[{name!r}]": obj for name, obj in extra_state.items()
+                             if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
+                                                 torch.optim.swa_utils.AveragedModel))})
+        self.seen: dict[str, int] = {}
+        self.warned: set[str] = set()
+
+    def step_finished(self) -> None:
+        """At the end of ``opt.step()``, after lowdiff stepped its scheduler and captured state."""
+        for name, obj in self.watched.items():
+            self.seen[name] = _position(obj)
+
+    def step_starting(self) -> None:
+        for name, obj in self.watched.items():
+            position = _position(obj)
+            if name in self.warned or self.seen.get(name, position) == position:
+                continue
+            self.warned.add(name)
+            if name == "scheduler":
+                why = ("it is stepped outside opt.step() as well as by lowdiff (which steps it at the end of "
+                       "opt.step()): twice per step. Do not step it yourself")
+            elif isinstance(obj, torch.optim.swa_utils.AveragedModel):
+                why = ("it is updated after lowdiff captured it at the iteration boundary (the end of "
+                       "opt.step(), or opt.boundary()): a resumed average would lag one update. Wrap with "
+                       "boundary=\"manual\" and call opt.boundary() after updating it")
+            else:
+                why = ("it is stepped after lowdiff captured it at the iteration boundary (the end of "
+                       "opt.step(), or opt.boundary()): a resumed schedule would lag one step. Pass it as "
+                       "wrap(scheduler=...) and do not step it yourself, or wrap with boundary=\"manual\" "
+                       "and call opt.boundary() after stepping it")
+            warnings.warn(f"lowdiff: {name} ({type(obj).__name__}): {why}", RuntimeWarning, stacklevel=4)
+
+
+def calling_grad_scaler(depth: int = 4):
+    """The GradScaler whose ``step(optimizer)`` is calling ``opt.step()`` right now, if any (found
+    as ``self`` of a caller frame). A GradScaler lowdiff was not given skips steps without
+    lowdiff seeing them and changes its scale unrecorded."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        # Only a method's frame can be GradScaler's; f_locals of others (the training loop's,
+        # with all its variables) would be built into a dict at every step for nothing.
+        if "self" in frame.f_code.co_varnames:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.amp.GradScaler):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
+def warn_unknown_scaler(scaler) -> None:
+    warnings.warn(f"lowdiff: a {type(scaler).__name__} steps this optimizer but was not given to "
+                  f"wrap(grad_scaler=...): the steps it skips (inf/nan gradients) are not recorded and its scale "
+                  f"is not saved, so a resumed run would diverge. Pass it to wrap()", RuntimeWarning, stacklevel=4)

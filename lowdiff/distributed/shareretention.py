@@ -1,0 +1,127 @@
+"""Retention of the rank directories of ranks that no longer exist (a partitioned directory resumed
+with fewer ranks): nobody writes them any more, so a live rank cleans them.
+
+Rank directory ``rank-R/`` with R >= the world size is held (its LOCK) by live rank ``R mod W`` for
+the session. Its shares belong to sets of earlier sessions, which are complete only together with
+the shares the live ranks hold of the same sets; so after each commit that changes the live rank's
+full checkpoints, the dropped directory keeps exactly the full shares of the sets the live rank
+still lists, and the differential shares that continue them. Everything else is retired with the
+one protocol (manifest committed first, naming the retired files, then deleted), so a crash leaves
+nothing listed that a kept set needs and the next start finishes the deletions. Whatever the live
+rank keeps — the newest complete sets, older ones until ``keep_full`` newer complete sets exist —
+its dropped counterparts keep too.
+
+Once a dropped directory lists nothing and holds nothing but its manifest, lock and controller
+measurements, it is removed (``remove_emptied``; docs/format.md, "Dropped ranks"), so a smaller
+run leaves no empty rank directories behind; one a crash left half-removed goes at the next start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from lowdiff import faults
+from lowdiff.control.controlstate import CONTROLLER_NAME
+from lowdiff.distributed.partition import Partition, rank_directories
+from lowdiff.errors import CheckpointLockedError
+from lowdiff.store.directory import LOCK_NAME, CheckpointStore
+from lowdiff.store.manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger("lowdiff")
+
+
+def follow(dropped: Manifest, live: Manifest) -> Manifest:
+    """``dropped`` keeping the full shares of the sets ``live`` lists and the differential shares
+    of their sessions after the oldest of them (each kept set's chain)."""
+    kept = {(f.step, f.session) for f in live.fulls}
+    fulls = [f for f in dropped.fulls if (f.step, f.session) in kept]
+    oldest: dict = {}
+    for full in fulls:
+        oldest[full.session] = min(full.step, oldest.get(full.session, full.step))
+    batches = [b for b in dropped.batches if b.session in oldest and b.last > oldest[b.session]]
+    return dataclasses.replace(dropped, fulls=fulls, batches=batches)
+
+
+def remove_emptied(store: CheckpointStore) -> bool:
+    """Remove the dropped rank directory ``store`` holds (its lock) when its manifest lists nothing
+    and nothing but that manifest, the lock and the rank's controller measurements is in it; True
+    when it is gone. Crash-safe order (docs/format.md, "Dropped ranks"): the measurements, the
+    manifest, then the lock (still held: no other trainer can have taken the directory until it is
+    unlinked), then ``rmdir``, which removes only an empty directory — a trainer that created its
+    lock meanwhile keeps it. Every state a crash leaves is a rank directory listing nothing,
+    removed again at the next start."""
+    ours = (CONTROLLER_NAME, MANIFEST_NAME, LOCK_NAME)   # (in the order they go)
+    if store.manifest.files():
+        return False
+    try:
+        others = sorted(set(os.listdir(store.directory)) - set(ours))
+    except FileNotFoundError:
+        return True
+    if others:   # files we cannot explain are never deleted (docs/format.md, "What may be deleted")
+        log.warning("lowdiff: %s lists no checkpoint any more but holds %s; it is left in place",
+                    store.directory, ", ".join(others[:4]) + (" ..." if len(others) > 4 else ""))
+        return False
+    for name in ours:
+        try:
+            os.unlink(os.path.join(store.directory, name))
+        except FileNotFoundError:
+            pass
+        faults.point("dropped-clean")
+    try:
+        os.rmdir(store.directory)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:   # (ENOTEMPTY: another process started writing it)
+        log.warning("lowdiff: %s was not removed: %s", store.directory, exc)
+        return False
+    log.info("lowdiff: removed %s, the emptied directory of a rank this run dropped", store.directory)
+    return True
+
+
+class DroppedRanks:
+    """The dropped rank directories this rank cleans; ``attach`` it to this rank's store."""
+
+    def __init__(self, partition: Partition, keep_full: int):
+        self.stores: list[CheckpointStore] = []
+        for rank, path in sorted(rank_directories(partition.root).items()):
+            if rank >= partition.world and rank % partition.world == partition.rank:
+                try:
+                    store = CheckpointStore(path, keep_full)
+                except CheckpointLockedError as exc:   # a process of the earlier job still runs
+                    log.warning("lowdiff: %s; its old shares are not cleaned by this run", exc)
+                    continue
+                except FileNotFoundError:   # removed since it was listed (by another process)
+                    continue
+                store.clean_point = "dropped-clean"     # (lowdiff.faults)
+                self.stores.append(store)
+        self._fulls: list | None = None
+        self._remove_emptied()   # (left listing nothing by a crash in an earlier removal)
+
+    def attach(self, store: CheckpointStore) -> None:
+        if self.stores:
+            store.after_commit.append(self._after_commit)
+
+    def _after_commit(self, live: Manifest) -> None:
+        if live.fulls == self._fulls:
+            return   # a differential commit: no set came or went
+        self._fulls = list(live.fulls)
+        for store in self.stores:
+            store.keep_only(lambda dropped: follow(dropped, live))
+        self._remove_emptied()
+
+    def _remove_emptied(self) -> None:
+        """Let go of the dropped directories that list nothing (removing them when they hold
+        nothing else): following the live rank only ever retires entries, so none is left to clean."""
+        kept = []
+        for store in self.stores:
+            if store.manifest.files():
+                kept.append(store)
+            else:
+                remove_emptied(store)
+                store.close()
+        self.stores = kept
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()

@@ -1,0 +1,299 @@
+"""Full checkpoints: snapshot the state into aligned staging memory, persist it, load it back.
+
+Every tensor is copied once, into a page-aligned staging buffer at the offset it will have in the
+file (``Snapshot.stage`` on the training thread, then ``Snapshot.copy``, usually on the persist
+thread while training goes on; see the class). fastio writes the buffer without another copy
+(O_DIRECT from staging).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import fastio
+from lowdiff import faults
+from lowdiff.errors import CorruptCheckpointError
+from lowdiff.format import container, tree
+from lowdiff.format.payloadread import read_payload
+from lowdiff.format.records import dtype_from_name, dtype_name
+from lowdiff.format.schema import (
+    PAGE,
+    PAYLOAD_OFFSET,
+    SMALL_TENSOR_ALIGN,
+    Checksummed,
+    FullIndex,
+    FullState,
+    Section,
+    TensorEntry,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a tensor goes in the payload region of the next full checkpoint."""
+    key: str
+    dtype: str
+    shape: tuple
+    offset: int      # within the payload region
+    nbytes: int
+
+
+def plan_layout(tensors: list) -> tuple[list[Placement], int]:
+    """Offsets for ``[(key, tensor)]``: page-aligned for large tensors, packed for small ones."""
+    entries, offset = [], 0
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        align = PAGE if nbytes >= PAGE else SMALL_TENSOR_ALIGN
+        offset = -(-offset // align) * align
+        entries.append(Placement(key, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        offset += nbytes
+    return entries, -(-offset // PAGE) * PAGE
+
+
+def _version_counters(tensors) -> list | None:
+    """The tensors' version counters (bumped by every in-place change); None if one has none
+    (an inference tensor)."""
+    try:
+        return [tensor._version for tensor in tensors]
+    except RuntimeError:
+        return None
+
+
+def _staging_view(staging: torch.Tensor, entry: Placement) -> torch.Tensor:
+    dtype = dtype_from_name(entry.dtype, "<staging>")
+    return staging[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+
+
+class Snapshot:
+    """A full checkpoint held in staging memory, ready to persist. Reuses its buffer across steps
+    when the layout fits (the caller waits for the previous persist before staging the next).
+
+    Taking one has two halves. ``stage`` runs on the training thread at the iteration boundary:
+    it splits the state into a skeleton and tensor references and notes each tensor's version
+    counter (cheap, no tensor data is touched). ``copy`` moves the bytes into staging and may run
+    on another thread, overlapping the next forward/backward pass, as long as nothing modifies
+    the staged tensors in place before it ends: the training thread waits for it before the next
+    optimizer step, and ``modified_since_stage`` tells whether anything did anyway.
+    """
+
+    def __init__(self):
+        self._buffer: fastio.AlignedBuffer | None = None
+        self.spare: fastio.AlignedBuffer | None = None  # pre-faulted in the background by prepare()
+        self.step = -1
+        self.entries: list[Placement] = []
+        self.payload_bytes = 0
+        self._skeleton = None
+        self._destinations = None  # (entries, staging views) of the last copy
+        self._staged = None        # (tensors, versions) between stage() and release_sources()
+        self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
+        self.meta: dict = {}
+
+    def stage(self, step: int, state: dict, meta: dict) -> None:
+        """Record what to copy: ``state`` (nested dicts/lists of tensors and plain values).
+
+        The skeleton is final here: split_tensors builds every container afresh and its leaves
+        are immutable values, so later training cannot change it.
+        """
+        skeleton, tensors = tree.split_tensors(state)
+        self.step, self._skeleton, self.meta = step, skeleton, meta
+        self._staged = (tensors, _version_counters(t for _, t in tensors))
+
+    def copyable_in_background(self) -> bool:
+        """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense,
+        contiguous and without a lazy conjugate/negative bit (so its bytes are its values and a
+        plain memcpy reads it), and has a version counter to check."""
+        tensors, versions = self._staged
+        return versions is not None and all(
+            t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() for _, t in tensors)
+
+    def copy(self, on_training_thread: bool) -> None:
+        """Copy the staged tensors into staging memory, each at its offset in the file."""
+        tensors, _ = self._staged
+        entries, payload_bytes = plan_layout(tensors)
+        if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
+            self._buffer = None
+            self._destinations = None
+            spare, self.spare = self.spare, None
+            if spare is not None and spare.capacity_bytes >= payload_bytes:
+                self._buffer = spare
+            else:
+                self._buffer = fastio.aligned_buffer(payload_bytes, populate=True)
+        if self._destinations is None or self._destinations[0] != entries:
+            # The layout rarely changes between checkpoints: keep the staging views.
+            staging = self._buffer.tensor(payload_bytes)
+            self._destinations = (entries, [_staging_view(staging, e) for e in entries if e.nbytes])
+        destinations = self._destinations[1]
+        sources = [tensor for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
+        self._checksums = None
+        with torch.no_grad():
+            if not sources:
+                pass
+            elif not on_training_thread:
+                # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
+                # thread pool, which the training thread is using right now), checksumming each
+                # piece while it is in cache.
+                self._checksums = fastio.copy_regions(
+                    [d.data_ptr() for d in destinations], [s.data_ptr() for s in sources],
+                    [e.nbytes for e in entries if e.nbytes], checksums=True)
+            elif all(src.device.type == "cpu" for src in sources):
+                # One call for all tensors: the GIL is released once, not once per tensor, so
+                # background Python threads cannot stretch the copy with hundreds of GIL hand-offs.
+                torch._foreach_copy_(destinations, sources)
+            else:
+                for dst, src in zip(destinations, sources):  # device tensors: one by one to the host
+                    dst.copy_(src)
+        self.entries, self.payload_bytes = entries, payload_bytes
+
+    def modified_since_stage(self) -> list[str]:
+        """Keys of staged tensors modified in place since ``stage`` (by their version counters)."""
+        tensors, versions = self._staged
+        if versions is None:
+            return []
+        return [key for (key, tensor), version in zip(tensors, versions) if tensor._version != version]
+
+    def release_sources(self) -> None:
+        """Drop the references to the live tensors (after the copy was judged)."""
+        self._staged = None
+
+    def prepare(self, payload_bytes: int) -> None:
+        """Allocate and pre-fault staging for a state of about ``payload_bytes`` (call off the
+        training thread), so the next ``copy`` runs at memcpy speed instead of page-fault speed."""
+        if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
+            self.spare = fastio.aligned_buffer(payload_bytes, populate=True)
+
+    def persist(self, path: str, session: str, *, run: str | None = None, engine=None,
+                before_commit=None) -> int | None:
+        """Write the snapshot to ``path`` and commit it. Returns the file size in bytes.
+
+        ``before_commit()`` is asked last, with everything written: if it returns False the file
+        is discarded (nothing appears at ``path``) and persist returns None.
+        """
+        payload = memoryview(b"")
+        if self.payload_bytes:
+            assert self._buffer is not None, "copy() allocates the buffer it counts payload_bytes in"
+            payload = self._buffer.view(0, self.payload_bytes)
+        objects = tree.dumps(self._skeleton)
+        checksums = iter(self._checksums or ())
+        tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
+                                    next(checksums) if self._checksums is not None and e.nbytes else
+                                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes]),
+                                    key=e.key, dtype=e.dtype, shape=e.shape)
+                        for e in self.entries)
+        meta = self.meta
+
+        def make_index(objects_section: Section) -> FullIndex:
+            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section,
+                             tuple(meta["param_names"]), meta["param_aliases"], meta["optimizer_class"],
+                             meta["compressor"])
+        return write_full_file(path, container.KIND_FULL, payload, objects, make_index, engine=engine,
+                               before_commit=before_commit)
+
+
+def write_full_file(path: str, kind: int, payload, objects: bytes, make_index, *, engine=None,
+                    before_commit=None) -> int | None:
+    """The layout of a full checkpoint (and of a share of one): preamble, ``payload`` from the
+    first page, the ``objects`` section, the index ``make_index(objects_section)`` returns, the
+    trailer; committed through fastio.Writer. ``before_commit()`` returning False discards the file
+    (nothing appears at ``path``): returns None. Otherwise the file's size."""
+    with fastio.Writer(path, size_hint=PAYLOAD_OFFSET + len(payload) + len(objects) + 8192, engine=engine) as writer:
+        writer.write(container.preamble_bytes(kind))
+        writer.pad_to(PAGE)
+        writer.write(payload)
+        faults.point("full-write")
+        objects_offset = writer.write(objects)
+        index = container.encode_index(make_index(Section(objects_offset, len(objects),
+                                                          fastio.crc32c(objects))).to_json())
+        index_offset = writer.write(index)
+        writer.write(container.trailer_bytes(index_offset, index, kind))
+        if before_commit is not None and not before_commit():
+            writer.abort()
+            return None
+        return writer.size
+
+
+_ZERO_COPY = ("/model/", "/optimizer/")   # subtrees whose large tensors are handed out as views
+
+
+def payload_tensor(payload: torch.Tensor, start: int, nbytes: int, dtype: torch.dtype, shape, key: str):
+    """The tensor ``key`` of a full checkpoint from its bytes ``payload[start:start + nbytes]`` (a
+    uint8 read buffer). Large model and optimizer tensors stay views of the buffer (no copy). The
+    rest is cloned: some torch entry points (set_rng_state, Generator.set_state) read a view with
+    a storage offset from the start of its storage."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    view = payload[start:start + nbytes].view(dtype).view(shape)
+    return view if nbytes >= PAGE and key.startswith(_ZERO_COPY) else view.clone()
+
+
+def _checksum_matches(entry: Checksummed, data) -> bool:
+    """``data`` against the entry's CRC-32C (or, in files written before it, zlib's CRC-32)."""
+    if entry.crc32c is not None:
+        return fastio.crc32c(data) == entry.crc32c
+    return fastio.crc32(data) == entry.crc32
+
+
+def read_full_index(path: str, *, engine=None) -> FullIndex:
+    with fastio.Reader(path, engine=engine) as reader:
+        return FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
+                                   reader.size)
+
+
+def live_targets(model: torch.nn.Module, optimizer, exclude=frozenset()) -> dict:
+    """``load_full(into=...)`` for live objects: their tensors under the keys a full checkpoint
+    stores them (its state is ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``
+    split by ``tree.split_tensors``). The model's parameters and buffers (``keep_vars=True`` hands
+    out the live tensors, not detached views) except the names in ``exclude``, and the optimizer's
+    state tensors when it has state (``state_dict()`` packs the live tensors, and
+    ``load_state_dict`` adopts those the load returns)."""
+    live = {f"/model/{key}": value for key, value in model.state_dict(keep_vars=True).items() if key not in exclude}
+    live.update(tree.split_tensors(optimizer.state_dict()["state"], "/optimizer/state")[1])
+    return live
+
+
+def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None,
+              check=None) -> tuple[FullIndex, FullState]:
+    """Read a full checkpoint: (index, state). The payload is read with O_DIRECT in chunks queued
+    together (``payloadread``); each tensor's checksum is verified as soon as its bytes have
+    arrived, while later chunks are still being read, so verifying costs no time of its own.
+
+    ``check(index, outline)``, if given, is called before the payload is read, with the state's
+    outline (every tensor a ``meta`` tensor of its dtype and shape): it raises to refuse the file
+    before anything is read into ``into``.
+
+    ``into`` maps tensor keys (``"/model/<name>"``, ``"/optimizer/state/<index>/<name>"``: see
+    ``live_targets``) to live tensors of the same dtype and shape (tensors sharing memory only
+    partly are left out):
+    their bytes are copied straight into them, and the state holds those very tensors (so
+    ``load_state_dict`` finds them in place). If the payload turns out damaged, those tensors hold
+    part of the checkpoint. The other large tensors are views of the read buffer (no copy): the
+    optimizer adopts them as its state."""
+    with fastio.Reader(path, engine=engine) as reader:
+        index = FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
+                                    reader.size)
+        objects = reader.read(index.objects.offset, index.objects.nbytes)
+        if not _checksum_matches(index.objects, objects):
+            raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its "
+                                               f"checksum")
+        skeleton = tree.loads(objects, path)
+        if check is not None:
+            outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
+                       for e in index.tensors}
+            check(index, _state(path, index, skeleton, outline))
+        buffer, placed = read_payload(path, reader, index.payload_bytes, index.tensors, verify, into or {})
+    staging = buffer.tensor() if index.payload_bytes else torch.empty(0, dtype=torch.uint8)
+    tensors = {}
+    for entry in index.tensors:
+        tensors[entry.key] = placed[entry.key] if entry.key in placed else payload_tensor(
+            staging, entry.offset - PAYLOAD_OFFSET, entry.nbytes, dtype_from_name(entry.dtype, path), entry.shape,
+            entry.key)
+    return index, _state(path, index, skeleton, tensors)
+
+
+def _state(path: str, index: FullIndex, skeleton, tensors: dict) -> FullState:
+    def lookup(key):
+        if key not in tensors:
+            raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
+        return tensors[key]
+    return FullState.from_tree(path, tree.join_tensors(skeleton, lookup))

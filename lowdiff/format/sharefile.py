@@ -1,0 +1,229 @@
+"""Share files of a partitioned directory (docs/format.md, "Partitioned directories"): the schema
+of a full-checkpoint share (container kind 3) and of a differential share (kind 4), writing them and
+reading them back with every checksum checked.
+
+Which bytes and which parameters a share holds is decided by lowdiff.distributed.partition; this module only
+knows the bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import fastio
+from lowdiff.errors import CorruptCheckpointError
+from lowdiff.format import container
+from lowdiff.format.batchfile import write_batch
+from lowdiff.format.fullckpt import write_full_file
+from lowdiff.format.schema import (
+    PAGE,
+    PAYLOAD_OFFSET,
+    BatchIndex,
+    Section,
+    TensorEntry,
+    _check_disjoint,
+    _Fields,
+    check_header,
+)
+
+
+def share_range(shared_bytes: int, index: int, count: int) -> tuple[int, int]:
+    """Bytes [start, end) of a shared payload of ``shared_bytes`` (a page multiple) that share
+    ``index`` of ``count`` holds: page-aligned, balanced within one page."""
+    def bound(i: int) -> int:
+        return shared_bytes if i >= count else (i * shared_bytes // count) // PAGE * PAGE
+    return bound(index), bound(index + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A shared tensor's bytes [offset, offset + nbytes) of the shared payload held by one share."""
+    key: str
+    offset: int
+    nbytes: int
+    crc32c: int
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+
+
+@dataclasses.dataclass(frozen=True)
+class FullShareIndex:
+    """The index of a full-checkpoint share (``kind`` "full-share")."""
+
+    step: int
+    session: str
+    run: str | None
+    index: int                 # this share's position in its set
+    count: int                 # shares in the set
+    shared_bytes: int          # size of the set's shared payload
+    layout: tuple              # the shared tensors: dicts {key, dtype, shape, offset, nbytes}
+    pieces: tuple              # Piece, in offset order
+    own_bytes: int             # this rank's own region (after the share's bytes in the file)
+    tensors: tuple             # TensorEntry of this rank's own tensors, absolute offsets
+    objects: Section           # this rank's state skeleton
+    param_names: tuple
+    param_aliases: dict
+    optimizer_class: str
+    compressor: str
+
+    @property
+    def start(self) -> int:
+        return share_range(self.shared_bytes, self.index, self.count)[0]
+
+    @property
+    def end(self) -> int:
+        return share_range(self.shared_bytes, self.index, self.count)[1]
+
+    def to_json(self) -> dict:
+        return {"version": 1, "kind": "full-share", "step": self.step, "session": self.session, "run": self.run,
+                "share": {"index": self.index, "count": self.count, "start": self.start, "end": self.end},
+                "shared_bytes": self.shared_bytes, "layout": [dict(e) for e in self.layout],
+                "pieces": [p.to_json() for p in self.pieces], "own_bytes": self.own_bytes,
+                "tensors": [t.to_json() for t in self.tensors], "objects": self.objects.to_json(),
+                "param_names": list(self.param_names), "param_aliases": dict(self.param_aliases),
+                "optimizer_class": self.optimizer_class, "compressor": self.compressor}
+
+    @classmethod
+    def from_json(cls, path: str, obj, file_bytes: int) -> FullShareIndex:
+        fields = check_header(path, obj, "full-share")
+        share = _Fields(path, fields.get("share", dict), "share")
+        index, count, shared_bytes = share.count("index"), share.count("count"), fields.count("shared_bytes")
+        if count < 1 or index >= count or shared_bytes % PAGE:
+            raise fields.bad(f"share {index} of {count} of a {shared_bytes}-byte shared payload is not valid")
+        start, end = share_range(shared_bytes, index, count)
+        if (share.count("start"), share.count("end")) != (start, end):
+            raise fields.bad(f"share range {obj['share']} is not [{start}, {end}) for share {index} of {count}")
+        own_bytes = fields.count("own_bytes")
+        own_start = PAYLOAD_OFFSET + end - start
+        if own_bytes % PAGE or own_start + own_bytes > file_bytes:
+            raise fields.bad(f"own region of {own_bytes} bytes does not fit the file in whole pages")
+        layout = tuple(_layout_entry(path, e, i) for i, e in enumerate(fields.get("layout", list)))
+        pieces = _pieces(fields, layout, start, end)
+        tensors = tuple(TensorEntry.from_json(path, t, i) for i, t in enumerate(fields.get("tensors", list)))
+        _check_disjoint(fields, tensors, own_start, own_start + own_bytes)
+        objects = Section.from_json(path, fields.get("objects", dict), "objects section")
+        if objects.offset < own_start + own_bytes or objects.offset + objects.nbytes > file_bytes:
+            raise fields.bad(f"objects section at offset {objects.offset} lies outside the file after the payload")
+        return cls(fields.count("step"), fields.get("session", str), fields.get("run", (str, type(None)), None),
+                   index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
+                   tuple(fields.get("param_names", list)), fields.get("param_aliases", dict),
+                   fields.get("optimizer_class", str), fields.get("compressor", str))
+
+
+def _layout_entry(path: str, obj, position: int) -> dict:
+    fields = _Fields(path, obj, f"layout entry #{position}")
+    shape = fields.get("shape", list)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise fields.bad(f"shape {shape!r} is not a list of sizes")
+    return {"key": fields.get("key", str), "dtype": fields.get("dtype", str), "shape": list(shape),
+            "offset": fields.count("offset"), "nbytes": fields.count("nbytes")}
+
+
+def _pieces(fields: _Fields, layout: tuple, start: int, end: int) -> tuple:
+    """The pieces, checked to be exactly every layout tensor's intersection with [start, end)."""
+    pieces = []
+    for i, item in enumerate(fields.get("pieces", list)):
+        piece = _Fields(fields.path, item, f"piece #{i}")
+        pieces.append(Piece(piece.get("key", str), piece.count("offset"), piece.count("nbytes"),
+                            piece.count("crc32c")))
+    expected = [(e["key"], max(e["offset"], start), min(e["offset"] + e["nbytes"], end) - max(e["offset"], start))
+                for e in layout if e["nbytes"] and e["offset"] < end and e["offset"] + e["nbytes"] > start]
+    if [(p.key, p.offset, p.nbytes) for p in pieces] != expected:
+        raise fields.bad(f"its pieces do not cover the shared tensors in [{start}, {end}) exactly")
+    return tuple(pieces)
+
+
+def write_full_share(path: str, body, objects: bytes, make_index, *, engine=None, before_commit=None) -> int | None:
+    """Write a full-checkpoint share: ``body`` (the share's bytes then the own region, page
+    multiples), ``objects``, and the index ``make_index(objects_section)`` returns; commit it.
+    ``before_commit()`` returning False discards it: returns None."""
+    return write_full_file(path, container.KIND_FULL_SHARE, body, objects, make_index, engine=engine,
+                           before_commit=before_commit)
+
+
+def read_full_share_index(path: str, reader) -> FullShareIndex:
+    raw = container.read_index(path, reader.read, reader.size, container.KIND_FULL_SHARE)
+    return FullShareIndex.from_json(path, raw, reader.size)
+
+
+def read_share_bytes_into(path: str, reader, index: FullShareIndex, out) -> None:
+    """Read the share's bytes of the shared payload into ``out`` (a writable buffer of
+    ``end - start`` bytes) and check every piece's CRC-32C."""
+    if index.end > index.start:
+        reader.read_into(PAYLOAD_OFFSET, out)
+    view = memoryview(out)
+    for piece in index.pieces:
+        lo = piece.offset - index.start
+        if fastio.crc32c(view[lo:lo + piece.nbytes]) != piece.crc32c:
+            raise CorruptCheckpointError(path, f"shared tensor {piece.key!r} bytes {piece.offset}.."
+                                               f"{piece.offset + piece.nbytes} fail their checksum")
+
+
+def read_own(path: str, reader, index: FullShareIndex) -> tuple[dict, bytes]:
+    """(own tensors by key as raw bytes, objects section bytes), every checksum checked."""
+    own = {}
+    for entry in index.tensors:
+        data = reader.read(entry.offset, entry.nbytes) if entry.nbytes else b""
+        if fastio.crc32c(data) != entry.crc32c:
+            raise CorruptCheckpointError(path, f"tensor {entry.key!r} at offset {entry.offset} fails its checksum")
+        own[entry.key] = (entry, bytearray(data))
+    objects = reader.read(index.objects.offset, index.objects.nbytes)
+    if fastio.crc32c(objects) != index.objects.crc32c:
+        raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its checksum")
+    return own, objects
+
+
+# ---------------------------------------------------------------- differential shares
+@dataclasses.dataclass(frozen=True)
+class DiffShareIndex:
+    """The index of a differential share: a batch index plus the share and the slots it owns."""
+
+    batch: BatchIndex
+    index: int
+    count: int
+    slots: tuple
+
+    @classmethod
+    def from_json(cls, path: str, obj, records_end: int) -> DiffShareIndex:
+        fields = check_header(path, obj, "diff-share")
+        share = _Fields(path, fields.get("share", dict), "share")
+        index, count = share.count("index"), share.count("count")
+        slots = fields.get("slots", list)
+        if count < 1 or index >= count or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                  for s in slots):
+            raise fields.bad(f"share {index} of {count} owning slots {slots!r} is not valid")
+        batch = BatchIndex.from_json(path, {**obj, "kind": "diff"}, records_end)
+        return cls(batch, index, count, tuple(slots))
+
+
+def write_diff_share(path: str, session: str, records: list, *, run: str | None, share: tuple[int, int],
+                     slots: list, engine=None) -> int:
+    """Write ``records`` ([(step, [buffers])], consecutive steps, already restricted to ``slots``)
+    as share ``share`` = (index, count) and commit it. Returns the file's size."""
+    return write_batch(path, session, records, run=run, engine=engine, kind=container.KIND_DIFF_SHARE,
+                       index_fields={"kind": "diff-share", "share": {"index": share[0], "count": share[1]},
+                                     "slots": list(slots)})
+
+
+def read_diff_share_index(path: str) -> DiffShareIndex:
+    """The index of the differential share at ``path`` (read from the file; records not checked)."""
+    with fastio.Reader(path) as reader:
+        raw = container.read_index(path, reader.read, reader.size, container.KIND_DIFF_SHARE)
+        return DiffShareIndex.from_json(path, raw, reader.size - container.TRAILER.size)
+
+
+def read_share_index(path: str):
+    """The index of a share file of either kind, by the kind its preamble names: FullShareIndex,
+    or the BatchIndex of a differential share. Raises like the readers of each kind."""
+    if container.file_kind(path) == container.KIND_FULL_SHARE:
+        with fastio.Reader(path) as reader:
+            return read_full_share_index(path, reader)
+    return read_diff_share_index(path).batch
+
+
+def parse_diff_share(path: str, data) -> DiffShareIndex:
+    """The index of a differential share held in memory (``data``: the whole file)."""
+    view = memoryview(data)
+    raw = container.read_index(path, lambda offset, n: bytes(view[offset:offset + n]), len(view),
+                               container.KIND_DIFF_SHARE)
+    return DiffShareIndex.from_json(path, raw, len(view) - container.TRAILER.size)

@@ -1,0 +1,6 @@
+"""lowdiff.tiers: storage tiers — a fast local directory staged to a shared one by a background
+drainer, each tier with its own retention policy (docs/format.md, "Storage tiers")."""
+from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast
+from lowdiff.tiers.policy import Tiers
+
+__all__ = ["KeepAll", "KeepEvery", "KeepLast", "Tiers"]

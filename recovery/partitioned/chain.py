@@ -1,0 +1,155 @@
+"""The differentials of a partitioned directory as one chain: each step's record is the union of
+the shares' records of that step (each gradient from the share that owns its parameter), served to
+``recovery.replay`` through the same interface as an open batch file.
+
+The files' indexes are known up front (which steps each file holds, at which offsets); their bytes
+arrive one file at a time as the replay reaches them (``fetch``: read by one rank and sent to the
+others, see recovery.partitioned.restore), so a rank holds the files of the records in flight, not the
+whole chain, and every rank decodes exactly the same bytes and stops at the same step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from lowdiff.errors import CorruptCheckpointError
+from lowdiff.format.records import StepRecord, decode_record
+from lowdiff.format.sharefile import DiffShareIndex
+from lowdiff.store.manifest import BatchEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareFiles:
+    """The differential files of share ``index`` continuing a full set, in order: (path, its
+    DiffShareIndex, or why it could not be read: the chain of the share ends there)."""
+    index: int
+    files: tuple
+
+
+# fetch(share, file position) -> the file's bytes (a writable uint8 array) or None when they could
+# not be read; called in the same order on every rank (recovery.partitioned.restore makes it a collective).
+Fetch = Callable[[int, int], object]
+
+
+def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | None]:
+    """{step: (file position, offset, bytes)} of one share's records from ``first`` on, contiguous,
+    and the slots it owns (None when it holds no file). A file whose index does not verify ends
+    the share's chain before it (with a warning)."""
+    steps: dict = {}
+    slots = None
+    expected = first
+    for position, (name, index) in enumerate(share.files):
+        if not isinstance(index, DiffShareIndex):
+            warn(f"lowdiff: {index}; the chain of share {share.index} ends at step {expected - 1}")
+            break
+        if index.index != share.index or (slots is not None and index.slots != slots):
+            warn(f"lowdiff: {name} is share {index.index} owning other parameters, not share {share.index}; "
+                 f"the chain of share {share.index} ends at step {expected - 1}")
+            break
+        slots = index.slots
+        for step, offset, nbytes in index.batch.records:
+            if step != expected:
+                if step > expected:
+                    return steps, slots
+                continue
+            steps[step] = (position, offset, nbytes)
+            expected += 1
+    return steps, slots
+
+
+class MergedShares:
+    """Looks like an open ``BatchReader`` to ``recovery.replay`` (``path``, ``index_error``,
+    ``entries``, ``steps``, ``prepare_read``, ``read_for_replay``, ``decode_record``)."""
+
+    def __init__(self, root: str, shares: list, base_step: int, param_count: int, own: int | None, warn,
+                 fetch: Fetch):
+        self.path = root
+        self.index_error = None
+        self._own = own          # the share whose per-rank objects this rank takes (None: a new rank)
+        self._param_count = param_count
+        self._shares = shares
+        self._fetch = fetch
+        per_share = [_share_steps(share, base_step + 1, warn) for share in shares]
+        self._records = [steps for steps, _ in per_share]
+        self._owner = self._owners([slots for _, slots in per_share], param_count)
+        last = base_step
+        while self._owner is not None and all(last + 1 in steps for steps in self._records):
+            last += 1
+        self.steps = list(range(base_step + 1, last + 1))
+        self.entries = [(step, 0, 0) for step in self.steps]
+        self._held: list = [(-1, None)] * len(shares)   # per share: (file position, its bytes) fetched last
+        self._ready: dict = {}                           # position -> its records' (path, offset, view)
+
+    def _owners(self, slots_per_share: list, param_count: int) -> list | None:
+        """Which share owns each parameter, checked to be exactly one each (None: shares without
+        files, nothing to replay)."""
+        if any(slots is None for slots in slots_per_share):
+            return None
+        owner = [-1] * param_count
+        for share, slots in enumerate(slots_per_share):
+            for slot in slots:
+                if slot >= param_count or owner[slot] != -1:
+                    raise CorruptCheckpointError(self.path, f"differential shares claim parameter {slot} twice or "
+                                                            f"beyond the {param_count} parameters")
+                owner[slot] = share
+        if -1 in owner:
+            raise CorruptCheckpointError(self.path, f"no differential share holds parameter {owner.index(-1)}")
+        return owner
+
+    def entry(self) -> BatchEntry:
+        """A manifest-like entry of the whole merged chain (replay reads ``last``)."""
+        first = self.steps[0] if self.steps else 0
+        return BatchEntry(first, self.steps[-1] if self.steps else first, self.path, 0, "")
+
+    def prepare_read(self, position: int) -> None:
+        """Called by replay in step order on the thread that drives it, before ``position`` goes to
+        a worker: fetch the files that hold its records (each share's next one when the step moves
+        into it) and take views of them. A share's earlier file is let go here: the records handed
+        out keep what they still need of it alive (their views), so memory follows the records in
+        flight, not the chain."""
+        step = self.steps[position]
+        views = []
+        for share, steps in enumerate(self._records):
+            file_position, offset, nbytes = steps[step]
+            held_position, data = self._held[share]
+            while held_position < file_position:   # files in order: every rank fetches the same ones
+                held_position += 1
+                data = self._fetch(share, held_position)
+                self._held[share] = (held_position, data)
+            path = self._shares[share].files[file_position][0]
+            views.append((path, offset, None if data is None else memoryview(data)[offset:offset + nbytes]))
+        self._ready[position] = views
+
+    def read_for_replay(self, position: int, memory) -> tuple:
+        """As BatchReader's: views of the files ``prepare_read`` fetched (no buffer of ``memory``)."""
+        views = self._ready.pop(position)
+        for path, _, view in views:
+            if view is None:
+                raise CorruptCheckpointError(path, "could not be read by the rank that reads it (see its warning)")
+        return views, None
+
+    def decode_record(self, position: int, data: list, *, owned: bool = False) -> StepRecord:
+        """Verify every share's record of the step and join them (see the module doc). ``owned``:
+        as BatchReader's (replay passes it: the files' memory is this chain's own, fetched for the
+        replay, and each step is decoded once, so the values may be views of it)."""
+        step = self.steps[position]
+        records = [decode_record(view, name, offset, expected_step=step, owned=owned) for name, offset, view in data]
+        assert self._owner is not None  # steps is empty otherwise
+        first = records[0]
+        if any(r.skipped != first.skipped for r in records):
+            raise CorruptCheckpointError(self.path, f"the shares of step {step} disagree on whether it was skipped")
+        grads: list = []
+        if not first.skipped:
+            if any(len(r.grads) != self._param_count for r in records):
+                raise CorruptCheckpointError(self.path, f"a share of step {step} does not list every parameter")
+            grads = [records[share].grads[slot] for slot, share in enumerate(self._owner)]
+        if self._own is not None:
+            objects = records[self._own].objects
+        else:  # a rank that did not exist: share 0's replicated objects, no RNG or extra state
+            objects = {**records[0].objects, "rng": {}, "extra": {}}
+        return StepRecord(step, first.skipped, grads, objects)
+
+    def close(self) -> None:
+        self._records = []
+        self._held = []
+        self._ready.clear()

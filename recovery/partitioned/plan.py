@@ -1,0 +1,99 @@
+"""recovery.partitioned.plan: which full sets of a partitioned directory a resume may start from,
+newest first, planned by rank 0 from the reconciled view of every rank directory and sent to every
+rank (recovery.partitioned.restore carries it out)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch.distributed as dist
+
+from lowdiff.distributed.partition import (
+    describe_ranges,
+    full_sets,
+    missing_rank_directories,
+    rank_directory,
+    read_views,
+    retained_ranges,
+    session_chain,
+)
+from recovery.restore import warn
+
+
+@dataclasses.dataclass(frozen=True)
+class FullSet:
+    """A complete full set: share i is ``files[i]``; ``chains[i]`` the differential files of share
+    i continuing it (names in ``rank-i/``); ``reach`` the step all its chains reach by the manifests."""
+    step: int
+    session: str
+    count: int
+    files: tuple
+    chains: tuple
+    reach: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What rank 0 found in the rank directories, sent to every rank."""
+    sets: list                 # FullSet at or before the asked step, newest first (ties: furthest reach)
+    newest: int                # the newest step any rank directory lists
+    ranges: list               # [(first, last)] steps the complete sets reach (time travel targets)
+    retained: str              # the same, in words, for errors
+    missing: dict = dataclasses.field(default_factory=dict)   # {rank: [steps]}: rank directories sets need, absent
+
+
+def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
+    """The complete full sets of the partitioned directory ``root`` (at or before ``stop_step``),
+    from the reconciled view of every rank directory: a rank whose manifest is missing or damaged
+    has its list rebuilt from its share files (warned), so no durable share is lost with it.
+    ``views`` (lowdiff.distributed.partition.read_views): already taken, their notes reported by the caller."""
+    if views is None:   # (files of another format version block only the newest state, as in recovery.restore)
+        views = read_views(root, skip_other_versions=stop_step is not None)
+        for inventory in views.values():
+            for note in inventory.notes:
+                warn(f"lowdiff: {note}")
+    manifests = {rank: inventory.manifest for rank, inventory in views.items()}
+    newest = max([b.last for m in manifests.values() for b in m.batches] +
+                 [f.step for m in manifests.values() for f in m.fulls], default=-1)
+    every = full_sets(root, manifests)
+    sets = []
+    for fset in reversed(every):
+        if stop_step is not None and fset.step > stop_step:
+            continue
+        if fset.count is None:
+            warn(f"lowdiff: no share of the full checkpoint of step {fset.step} in {root} verifies; "
+                 f"falling back to an older set")
+            continue
+        if not fset.complete:
+            missing = [i for i in range(fset.count) if i not in fset.ranks]
+            warn(f"lowdiff: the full checkpoint of step {fset.step} is incomplete in {root}: shares {missing} of "
+                 f"{fset.count} are not committed (a rank died while writing?); falling back to an older set")
+            continue
+        entries = [next(f for f in manifests[i].fulls if (f.step, f.session) == (fset.step, fset.session))
+                   for i in range(fset.count)]
+        chains = tuple(tuple(b.file for b in session_chain(manifests[i], fset.step, fset.session))
+                       for i in range(fset.count))
+        files = tuple(os.path.join(rank_directory(root, i), e.file) for i, e in enumerate(entries))
+        sets.append(FullSet(fset.step, fset.session, fset.count, files, chains, fset.reach(manifests)))
+    # Newest step first; among sets of one step (a run resumed at a full set's step writes its base
+    # set there too, in a new session), the one whose chain reaches furthest — not the session
+    # names' order, which is random: the abandoned timeline's set, its chain dropped, reaches only
+    # its own step.
+    sets.sort(key=lambda s: (s.step, s.reach), reverse=True)
+    ranges = retained_ranges(manifests, every)
+    return Plan(sets, newest, ranges, describe_ranges(ranges, every), missing_rank_directories(root, manifests, every))
+
+
+def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
+    """(complete full sets at or before ``stop_step``, newest first; the newest step any rank
+    directory lists)."""
+    found = plan(root, stop_step)
+    return found.sets, found.newest
+
+
+def broadcast_plan(root: str, stop_step: int | None, world: int) -> Plan:
+    if world == 1:
+        return plan(root, stop_step)
+    found: list = [plan(root, stop_step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
