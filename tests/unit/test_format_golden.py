@@ -4,6 +4,7 @@ inputs is the same bytes. A change to either side that the spec does not describ
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from lowdiff.format.sharefile import (
     write_full_share,
 )
 from lowdiff.step.compress import Compressed
-from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, write_manifest
+from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, write_manifest
 from lowdiff.store.retention import KeepLast
 from lowdiff.tiers.marker import read_marker, read_tiers, write_marker
 from lowdiff.tiers.policy import Tiers
@@ -347,7 +348,26 @@ def test_format_md_lists_every_field_kind_and_version_lowdiff_writes(tmp_path):
         assert (index["version"], json.dumps(index["kind"])) == (FORMAT_VERSION, index_kind) == \
             (int(version), index_kind), name
         assert sorted(fields) == sorted(fields_of(index)), name
+    example = json.loads(re.search(r"## Manifest.*?```json\n(.*?)```", doc, re.S).group(1))["manifest"]
+    for key, entry in (("fulls", FullEntry), ("batches", BatchEntry), ("retired", RetiredEntry)):
+        assert list(example[key][0]) == [f.name for f in dataclasses.fields(entry)], key
+    assert sorted(example) == sorted(json.loads(written["MANIFEST.json"])["manifest"])
     assert f'magic "{container.MAGIC[:-1].decode()}\\0" (8) | version u16 = {FORMAT_VERSION}' in doc
     assert f'magic "{container.TRAILER_MAGIC[:-1].decode()}\\0" (8)' in doc
     kinds = re.search(r"kind: (1 = .+)", doc)
     assert kinds is not None and kinds.group(1) == ", ".join(f"{k} = {v}" for k, v in container.KIND_NAMES.items())
+
+
+def test_a_full_checkpoint_and_its_shares_declare_their_common_fields_once():
+    from lowdiff.format.schema import FullIndex, FullMeta
+    common = [f.name for f in dataclasses.fields(FullMeta)]
+    for cls in (FullIndex, FullShareIndex):
+        assert issubclass(cls, FullMeta) and [f.name for f in dataclasses.fields(cls)][:len(common)] == common
+    objects = Section(8192, 10, 0)
+    full = FullIndex(3, SESSION, RUN, 4096, (), objects, ("w",), {"w": 0}, "SGD", "Dense()")
+    assert (full.step, full.payload_bytes, full.compressor) == (3, 4096, "Dense()")
+    assert dataclasses.replace(full, step=4).to_json() == {**full.to_json(), "step": 4}
+    share = FullShareIndex(3, SESSION, RUN, 0, 1, 0, (), (), 0, (), objects, ("w",), {"w": 0}, "SGD", "Dense()")
+    assert share.to_json()["version"] == full.to_json()["version"] == FORMAT_VERSION
+    assert {k: v for k, v in share.to_json().items() if k in full.to_json() and k != "kind"} == \
+        {k: v for k, v in full.to_json().items() if k not in ("kind", "payload_bytes")}
