@@ -1,15 +1,20 @@
-"""The file container shared by full checkpoints and differential batches.
+"""The envelopes of every file kind: the binary container shared by full checkpoints, batches and
+shares, and the atomic commit of the JSON files beside them (manifest, CONTROLLER.json, TIERS.json,
+whose fields lowdiff.format.schema holds).
 
-Layout (docs/format.md): a 16-byte preamble (magic, version, kind) at offset 0, the payloads,
+Binary layout (docs/format.md): a 16-byte preamble (magic, version, kind) at offset 0, the payloads,
 a JSON index, and a 32-byte trailer at the very end that locates and checksums the index. The
 index is written last because it carries checksums of payloads that are only known then.
 """
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 
+import fastio
+from lowdiff import faults
 from lowdiff.errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError  # noqa: F401 (re-exported)
 from lowdiff.format.schema import FORMAT_VERSION
 
@@ -97,3 +102,36 @@ def read_index(path: str, read, file_bytes: int, kind: int) -> dict:
     except ValueError as exc:
         raise CorruptCheckpointError(path, f"index is not valid JSON: {exc}") from None
     return index
+
+
+# ------------------------------------------------------------------ the JSON files
+def write_json_file(path: str, data: bytes, *, priority: int = fastio.BULK, fault: str | None = None,
+                    is_dead_temp=None, unless_same: bool = False) -> None:
+    """Replace ``path`` by ``data`` with the one commit protocol (fastio.Writer: temporary file,
+    fdatasync, rename, directory fsync): a crash leaves the old file or the new one. First removes
+    the temporaries of ``path`` that ``is_dead_temp(name)`` says a killed writer left; with
+    ``unless_same`` writes nothing when the file holds ``data`` already. ``fault``: the fault point
+    passed once the bytes are written, before the commit."""
+    directory, name = os.path.split(path)
+    if is_dead_temp is not None:
+        for other in os.listdir(directory):
+            if other.startswith(f".{name}.tmp-") and is_dead_temp(other):
+                try:
+                    os.unlink(os.path.join(directory, other))
+                except FileNotFoundError:
+                    pass
+    if unless_same and read_file(path) == data:
+        return
+    with fastio.Writer(path, priority=priority) as writer:
+        writer.write(data)
+        if fault is not None:
+            faults.point(fault)
+
+
+def read_file(path: str) -> bytes | None:
+    """The bytes of a JSON file (None: there is none)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None

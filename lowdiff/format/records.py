@@ -22,7 +22,7 @@ import fastio
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format import tree
 from lowdiff.format._deltas import decode_deltas, encode_deltas
-from lowdiff.format.schema import FORMAT_VERSION, GradMeta, RecordMeta
+from lowdiff.format.schema import FORMAT_VERSION, _Fields
 
 RECORD_MAGIC = b"LDRC"
 RECORD_HEADER = struct.Struct("<4sHHQIQI")  # magic, version, flags, step, packed bytes, raw bytes, crc32
@@ -54,6 +54,56 @@ class StepRecord:
     skipped: bool
     grads: list            # list[Compressed], one per optimizer parameter in param_groups order
     objects: dict          # hyper-parameters, RNG, scheduler, extra_state, buffers (small)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradMeta:
+    """How one parameter's gradient is stored in a record: ``dense`` (``numel`` raw values),
+    ``sparse`` (``nnz`` values and index deltas of ``width`` bytes) or ``none``."""
+
+    kind: str
+    numel: int
+    nnz: int
+    dtype: str
+    width: int | None = None
+
+    def to_json(self) -> list:
+        out = [self.kind, self.numel, self.nnz, self.dtype]
+        return out + [self.width] if self.kind == "sparse" else out
+
+    @classmethod
+    def from_json(cls, path: str, item, where: str) -> GradMeta:
+        if not isinstance(item, list) or len(item) not in (4, 5):
+            raise CorruptCheckpointError(path, f"{where}: gradient entry {item!r} is not "
+                                               f"[kind, numel, nnz, dtype, width?]")
+        kind, numel, nnz, dtype, *rest = item
+        width = rest[0] if rest else (4 if kind == "sparse" else None)  # u32 deltas before widths existed
+        ok = kind in ("dense", "sparse", "none") and all(isinstance(v, int) and v >= 0 for v in (numel, nnz)) \
+            and isinstance(dtype, str) and (kind != "sparse" or (width in (2, 4) and nnz <= numel))
+        if not ok:
+            raise CorruptCheckpointError(path, f"{where}: gradient entry {item!r} is not valid")
+        return cls(kind, numel, nnz, dtype, width)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordMeta:
+    """The metadata at the start of a record's compressed part."""
+
+    step: int
+    skipped: bool
+    objects_bytes: int
+    grads: tuple              # GradMeta, one per optimizer parameter in param_groups order
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "skipped": self.skipped, "objects_bytes": self.objects_bytes,
+                "grads": [g.to_json() for g in self.grads]}
+
+    @classmethod
+    def from_json(cls, path: str, obj, where: str) -> RecordMeta:
+        fields = _Fields(path, obj, f"{where} metadata")
+        skipped = fields.get("skipped", bool)
+        grads = tuple(GradMeta.from_json(path, g, where) for g in fields.get("grads", list))
+        return cls(fields.count("step"), skipped, fields.count("objects_bytes"), grads)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,5 +1,7 @@
 """The on-disk schema, in one place: what a full checkpoint's index, a differential batch's index,
-a record's metadata and the captured per-step state contain (docs/format.md).
+a share's index, the captured per-step state, the manifest and the two JSON sidecars
+(CONTROLLER.json, TIERS.json) contain (docs/format.md); a record's own metadata is beside its
+encoder (lowdiff.format.records).
 
 Each is a frozen dataclass with ``to_json()`` (the JSON object written) and ``from_json(path,
 obj)`` (parse and validate with checked arithmetic: every field present with the right type, sizes
@@ -10,11 +12,16 @@ and the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import zlib
 
-from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
+from lowdiff.errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1            # the binary files' preamble, trailer and index
+MANIFEST_VERSION = 1          # MANIFEST.json
+CONTROLLER_VERSION = 1        # CONTROLLER.json
+TIERS_VERSION = 1             # TIERS.json
 PAGE = 4096
 PAYLOAD_OFFSET = PAGE          # a full checkpoint's payload region starts on the first page
 SMALL_TENSOR_ALIGN = 64        # tensors under a page are packed, aligned for any dtype
@@ -120,13 +127,13 @@ class Section(Checksummed):
 
 
 @dataclasses.dataclass(frozen=True)
-class FullIndex:
-    """The index of a full checkpoint (docs/format.md, "Full checkpoint")."""
+class FullMeta:
+    """What a full checkpoint's index and a full-checkpoint share's index both carry (declared
+    once here; lowdiff.format.sharefile adds the share's fields)."""
 
     step: int
     session: str
     run: str | None
-    payload_bytes: int
     tensors: tuple            # TensorEntry, offsets absolute in the file
     objects: Section          # the state skeleton ("small objects" encoding)
     param_names: tuple        # model names of the optimizer's parameters, in param_groups order
@@ -134,12 +141,33 @@ class FullIndex:
     optimizer_class: str      # import path of the optimizer class
     compressor: str           # repr of the compressor
 
-    def to_json(self) -> dict:
-        return {"version": FORMAT_VERSION, "kind": "full", "step": self.step, "session": self.session,
-                "run": self.run, "payload_bytes": self.payload_bytes,
-                "tensors": [t.to_json() for t in self.tensors], "objects": self.objects.to_json(),
+    def meta_json(self, kind: str) -> dict:
+        return {"version": FORMAT_VERSION, "kind": kind, "step": self.step, "session": self.session,
+                "run": self.run, "tensors": [t.to_json() for t in self.tensors], "objects": self.objects.to_json(),
                 "param_names": list(self.param_names), "param_aliases": dict(self.param_aliases),
                 "optimizer_class": self.optimizer_class, "compressor": self.compressor}
+
+    @staticmethod
+    def meta_fields(fields: _Fields, names: list, aliases: dict) -> tuple:
+        """(step, session, run, param_names, param_aliases, optimizer_class, compressor) of an index."""
+        return (fields.count("step"), fields.get("session", str), fields.get("run", (str, type(None)), None),
+                tuple(names), aliases, fields.get("optimizer_class", str), fields.get("compressor", str))
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class FullIndex(FullMeta):
+    """The index of a full checkpoint (docs/format.md, "Full checkpoint")."""
+
+    payload_bytes: int
+
+    # The arguments keep the order of the index's fields that callers construct it with.
+    def __init__(self, step: int, session: str, run: str | None, payload_bytes: int, tensors: tuple,
+                 objects: Section, param_names: tuple, param_aliases: dict, optimizer_class: str, compressor: str):
+        super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
+        object.__setattr__(self, "payload_bytes", payload_bytes)
+
+    def to_json(self) -> dict:
+        return {**self.meta_json("full"), "payload_bytes": self.payload_bytes}
 
     @classmethod
     def from_json(cls, path: str, obj, file_bytes: int) -> FullIndex:
@@ -158,9 +186,8 @@ class FullIndex:
         if not all(isinstance(n, str) for n in names) or not all(
                 isinstance(v, int) and 0 <= v < len(names) for v in aliases.values()):
             raise fields.bad("param_names/param_aliases do not describe the optimizer's parameters")
-        run = fields.get("run", (str, type(None)), None)
-        return cls(fields.count("step"), fields.get("session", str), run, payload_bytes, tensors, objects,
-                   tuple(names), aliases, fields.get("optimizer_class", str), fields.get("compressor", str))
+        step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(fields, names, aliases)
+        return cls(step, session, run, payload_bytes, tensors, objects, names, aliases, optimizer_class, compressor)
 
 
 def _check_disjoint(fields: _Fields, tensors: tuple, start: int, end: int) -> None:
@@ -208,56 +235,6 @@ class BatchIndex:
         if not records or records[-1][0] != last:
             raise fields.bad(f"its records do not run from step {first} to step {last}")
         return cls(first, last, fields.get("session", str), fields.get("run", (str, type(None)), None), tuple(records))
-
-
-@dataclasses.dataclass(frozen=True)
-class GradMeta:
-    """How one parameter's gradient is stored in a record: ``dense`` (``numel`` raw values),
-    ``sparse`` (``nnz`` values and index deltas of ``width`` bytes) or ``none``."""
-
-    kind: str
-    numel: int
-    nnz: int
-    dtype: str
-    width: int | None = None
-
-    def to_json(self) -> list:
-        out = [self.kind, self.numel, self.nnz, self.dtype]
-        return out + [self.width] if self.kind == "sparse" else out
-
-    @classmethod
-    def from_json(cls, path: str, item, where: str) -> GradMeta:
-        if not isinstance(item, list) or len(item) not in (4, 5):
-            raise CorruptCheckpointError(path, f"{where}: gradient entry {item!r} is not "
-                                               f"[kind, numel, nnz, dtype, width?]")
-        kind, numel, nnz, dtype, *rest = item
-        width = rest[0] if rest else (4 if kind == "sparse" else None)  # u32 deltas before widths existed
-        ok = kind in ("dense", "sparse", "none") and all(isinstance(v, int) and v >= 0 for v in (numel, nnz)) \
-            and isinstance(dtype, str) and (kind != "sparse" or (width in (2, 4) and nnz <= numel))
-        if not ok:
-            raise CorruptCheckpointError(path, f"{where}: gradient entry {item!r} is not valid")
-        return cls(kind, numel, nnz, dtype, width)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordMeta:
-    """The metadata at the start of a record's compressed part."""
-
-    step: int
-    skipped: bool
-    objects_bytes: int
-    grads: tuple              # GradMeta, one per optimizer parameter in param_groups order
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "skipped": self.skipped, "objects_bytes": self.objects_bytes,
-                "grads": [g.to_json() for g in self.grads]}
-
-    @classmethod
-    def from_json(cls, path: str, obj, where: str) -> RecordMeta:
-        fields = _Fields(path, obj, f"{where} metadata")
-        skipped = fields.get("skipped", bool)
-        grads = tuple(GradMeta.from_json(path, g, where) for g in fields.get("grads", list))
-        return cls(fields.count("step"), skipped, fields.count("objects_bytes"), grads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,3 +295,155 @@ class FullState:
                    fields.get("scheduler", dict, None) if obj.get("scheduler") is not None else None,
                    fields.get("residuals", dict, {}) or {},
                    fields.get("grad_scaler", dict, None) if obj.get("grad_scaler") is not None else None)
+
+
+# ------------------------------------------------------------------ the JSON files
+def encode_json_file(body) -> bytes:
+    """The bytes of a JSON file beside the checkpoints (manifest, CONTROLLER.json, TIERS.json)."""
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class FullEntry:
+    """A committed full checkpoint (or share of one) that the manifest lists."""
+    step: int
+    file: str
+    nbytes: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchEntry:
+    """A committed differential batch (or share of one) of steps ``first..last``."""
+    first: int
+    last: int
+    file: str
+    nbytes: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RetiredEntry:
+    """A file the commit of this manifest stopped listing: the next trainer may delete it."""
+    file: str
+    nbytes: int
+
+
+@dataclasses.dataclass
+class ManifestRecord:
+    """MANIFEST.json (docs/format.md, "Manifest"); lowdiff.store.manifest adds the chains."""
+
+    fulls: list = dataclasses.field(default_factory=list)     # FullEntry, in commit order
+    batches: list = dataclasses.field(default_factory=list)   # BatchEntry, in commit order
+    run: str | None = None                                    # the directory's run id (None: unknown)
+    retired: list = dataclasses.field(default_factory=list)   # RetiredEntry
+    rebuilt: bool = dataclasses.field(default=False, compare=False)   # by scanning files (no good manifest)
+
+    def to_json(self) -> bytes:
+        body = {"version": MANIFEST_VERSION, "fulls": [dataclasses.asdict(e) for e in self.fulls],
+                "batches": [dataclasses.asdict(e) for e in self.batches],
+                "retired": [dataclasses.asdict(e) for e in self.retired]}
+        if self.run is not None:
+            body["run"] = self.run
+        return encode_json_file({"crc32": zlib.crc32(encode_json_file(body)), "manifest": body})
+
+    def files(self) -> set:   # the names of the files listed
+        return {f.file for f in self.fulls} | {b.file for b in self.batches}
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str):
+        try:
+            outer = json.loads(data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
+        if not isinstance(outer, dict) or not ({"crc32", "manifest"} & set(outer)):
+            # Valid JSON that is not ours at all (damage cannot turn both keys into others): another
+            # tool's file. Never rebuilt over, never overwritten.
+            raise ForeignFileError(path, "is not a lowdiff manifest (valid JSON without 'crc32' or 'manifest'); "
+                                         "refusing to use or overwrite it — is this the right directory?")
+        try:
+            body = outer["manifest"]
+            if zlib.crc32(encode_json_file(body)) != outer["crc32"]:
+                raise CorruptCheckpointError(path, "manifest checksum mismatch")
+            if body.get("version") != MANIFEST_VERSION:
+                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, this lowdiff reads "
+                                                 f"version {MANIFEST_VERSION}")
+            run = body.get("run")
+            if run is not None and not isinstance(run, str):
+                raise TypeError(f"run is {run!r}")
+            return cls([FullEntry(**e) for e in body["fulls"]], [BatchEntry(**e) for e in body["batches"]],
+                       run, [RetiredEntry(**e) for e in body.get("retired", [])])
+        except (CorruptCheckpointError, VersionMismatchError):
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerState:
+    """CONTROLLER.json (docs/format.md, "Controller measurements"): samples by name and the
+    settings in force. Settings are kept as found; the controller judges whether they are sensible."""
+
+    samples: dict             # name -> [float]
+    full_every: object = None
+    batch_steps: object = None
+    differentials: object = None
+
+    @classmethod
+    def of(cls, samples: dict, settings: dict) -> ControllerState:
+        """From samples by name and the settings by name (as the controller keeps them)."""
+        return cls(samples, settings.get("full_every"), settings.get("batch_steps"), settings.get("differentials"))
+
+    def settings(self) -> dict:
+        return {"full_every": self.full_every, "batch_steps": self.batch_steps, "differentials": self.differentials}
+
+    def to_json(self) -> bytes:
+        return encode_json_file({"version": CONTROLLER_VERSION, "samples": self.samples, "settings": self.settings()})
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> ControllerState:
+        """Raises ValueError naming ``path`` and what is wrong."""
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: cannot be read as JSON ({exc})") from None
+        if not isinstance(body, dict) or body.get("version") != CONTROLLER_VERSION:
+            version = body.get("version") if isinstance(body, dict) else None
+            raise ValueError(f"{path}: version {version!r}, this lowdiff reads version {CONTROLLER_VERSION}")
+        samples, settings = body.get("samples"), body.get("settings")
+        if not isinstance(samples, dict) or not isinstance(settings, dict):
+            raise ValueError(f"{path}: has no 'samples' and 'settings' objects")
+        for name, values in samples.items():
+            if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       and math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"{path}: samples[{name!r}] is not a list of numbers >= 0")
+        return cls.of({name: [float(v) for v in values] for name, values in samples.items()}, settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class TiersMarker:
+    """TIERS.json (docs/format.md, "Storage tiers"): where the shared tier is; each tier's policy
+    and the lag bound, informational (None when a file lacks them)."""
+
+    shared_dir: str
+    local_policy: str | None = None
+    shared_policy: str | None = None
+    max_lag_steps: int | None = None
+
+    def to_json(self) -> bytes:
+        return encode_json_file({"version": TIERS_VERSION, **dataclasses.asdict(self)})
+
+    def fields(self) -> dict:
+        """The fields by name, as the file holds them (one it lacks is absent)."""
+        return {"version": TIERS_VERSION, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> TiersMarker:
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"is not valid JSON: {exc}") from None
+        if not isinstance(body, dict) or body.get("version") != TIERS_VERSION or \
+                not isinstance(body.get("shared_dir"), str):
+            raise CorruptCheckpointError(path, f"is not a version {TIERS_VERSION} tier marker")
+        return cls(body["shared_dir"], body.get("local_policy"), body.get("shared_policy"), body.get("max_lag_steps"))

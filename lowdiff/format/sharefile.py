@@ -18,6 +18,7 @@ from lowdiff.format.schema import (
     PAGE,
     PAYLOAD_OFFSET,
     BatchIndex,
+    FullMeta,
     Section,
     TensorEntry,
     _check_disjoint,
@@ -46,25 +47,27 @@ class Piece:
         return {"key": self.key, "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
 
 
-@dataclasses.dataclass(frozen=True)
-class FullShareIndex:
-    """The index of a full-checkpoint share (``kind`` "full-share")."""
+@dataclasses.dataclass(frozen=True, init=False)
+class FullShareIndex(FullMeta):
+    """The index of a full-checkpoint share (``kind`` "full-share"): a full checkpoint's fields
+    (FullMeta) and the share's."""
 
-    step: int
-    session: str
-    run: str | None
     index: int                 # this share's position in its set
     count: int                 # shares in the set
     shared_bytes: int          # size of the set's shared payload
     layout: tuple              # the shared tensors: dicts {key, dtype, shape, offset, nbytes}
     pieces: tuple              # Piece, in offset order
-    own_bytes: int             # this rank's own region (after the share's bytes in the file)
-    tensors: tuple             # TensorEntry of this rank's own tensors, absolute offsets
-    objects: Section           # this rank's state skeleton
-    param_names: tuple
-    param_aliases: dict
-    optimizer_class: str
-    compressor: str
+    own_bytes: int             # this rank's own region (after the share's bytes in the file); ``tensors``
+                               # are this rank's own tensors, ``objects`` its state skeleton
+
+    # The arguments keep the order of the index's fields that callers construct it with.
+    def __init__(self, step: int, session: str, run: str | None, index: int, count: int, shared_bytes: int,
+                 layout: tuple, pieces: tuple, own_bytes: int, tensors: tuple, objects: Section, param_names: tuple,
+                 param_aliases: dict, optimizer_class: str, compressor: str):
+        super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
+        for name, value in (("index", index), ("count", count), ("shared_bytes", shared_bytes), ("layout", layout),
+                            ("pieces", pieces), ("own_bytes", own_bytes)):
+            object.__setattr__(self, name, value)
 
     @property
     def start(self) -> int:
@@ -75,13 +78,10 @@ class FullShareIndex:
         return share_range(self.shared_bytes, self.index, self.count)[1]
 
     def to_json(self) -> dict:
-        return {"version": 1, "kind": "full-share", "step": self.step, "session": self.session, "run": self.run,
+        return {**self.meta_json("full-share"),
                 "share": {"index": self.index, "count": self.count, "start": self.start, "end": self.end},
                 "shared_bytes": self.shared_bytes, "layout": [dict(e) for e in self.layout],
-                "pieces": [p.to_json() for p in self.pieces], "own_bytes": self.own_bytes,
-                "tensors": [t.to_json() for t in self.tensors], "objects": self.objects.to_json(),
-                "param_names": list(self.param_names), "param_aliases": dict(self.param_aliases),
-                "optimizer_class": self.optimizer_class, "compressor": self.compressor}
+                "pieces": [p.to_json() for p in self.pieces], "own_bytes": self.own_bytes}
 
     @classmethod
     def from_json(cls, path: str, obj, file_bytes: int) -> FullShareIndex:
@@ -104,10 +104,10 @@ class FullShareIndex:
         objects = Section.from_json(path, fields.get("objects", dict), "objects section")
         if objects.offset < own_start + own_bytes or objects.offset + objects.nbytes > file_bytes:
             raise fields.bad(f"objects section at offset {objects.offset} lies outside the file after the payload")
-        return cls(fields.count("step"), fields.get("session", str), fields.get("run", (str, type(None)), None),
-                   index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
-                   tuple(fields.get("param_names", list)), fields.get("param_aliases", dict),
-                   fields.get("optimizer_class", str), fields.get("compressor", str))
+        step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(
+            fields, fields.get("param_names", list), fields.get("param_aliases", dict))
+        return cls(step, session, run, index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
+                   names, aliases, optimizer_class, compressor)
 
 
 def _layout_entry(path: str, obj, position: int) -> dict:
@@ -195,14 +195,18 @@ class DiffShareIndex:
         batch = BatchIndex.from_json(path, {**obj, "kind": "diff"}, records_end)
         return cls(batch, index, count, tuple(slots))
 
+    @staticmethod
+    def share_json(index: int, count: int, slots) -> dict:
+        """What a differential share's index adds to a batch's (its ``kind`` replaces "diff")."""
+        return {"kind": "diff-share", "share": {"index": index, "count": count}, "slots": list(slots)}
+
 
 def write_diff_share(path: str, session: str, records: list, *, run: str | None, share: tuple[int, int],
                      slots: list, engine=None) -> int:
     """Write ``records`` ([(step, [buffers])], consecutive steps, already restricted to ``slots``)
     as share ``share`` = (index, count) and commit it. Returns the file's size."""
     return write_batch(path, session, records, run=run, engine=engine, kind=container.KIND_DIFF_SHARE,
-                       index_fields={"kind": "diff-share", "share": {"index": share[0], "count": share[1]},
-                                     "slots": list(slots)})
+                       index_fields=DiffShareIndex.share_json(share[0], share[1], slots))
 
 
 def read_diff_share_index(path: str) -> DiffShareIndex:

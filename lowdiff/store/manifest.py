@@ -8,18 +8,18 @@ reconciles the manifest with the directory).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import re
-import zlib
 
 import fastio
-from lowdiff import faults
-from lowdiff.errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError
+from lowdiff.format.container import read_file, write_json_file
+from lowdiff.format.schema import MANIFEST_VERSION, BatchEntry, FullEntry, ManifestRecord, RetiredEntry
+
+__all__ = ["DIFF_RE", "FULL_RE", "MANIFEST_NAME", "MANIFEST_VERSION", "BatchEntry", "FullEntry", "Manifest",
+           "RetiredEntry", "chain_end", "describe_retained", "diff_name", "full_name", "plan_chain",
+           "read_manifest", "write_manifest"]
 
 MANIFEST_NAME = "MANIFEST.json"
-MANIFEST_VERSION = 1
 FULL_RE = re.compile(r"^full-(\d{12})-([0-9a-f]{8})\.ldf$")
 DIFF_RE = re.compile(r"^diff-(\d{12})-(\d{12})-([0-9a-f]{8})\.ldd$")
 
@@ -32,81 +32,9 @@ def diff_name(first: int, last: int, session: str) -> str:
     return f"diff-{first:012d}-{last:012d}-{session}.ldd"
 
 
-@dataclasses.dataclass(frozen=True)
-class FullEntry:
-    step: int
-    file: str
-    nbytes: int
-    session: str
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchEntry:
-    first: int
-    last: int
-    file: str
-    nbytes: int
-    session: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RetiredEntry:
-    """A file the commit of this manifest stopped listing: the next trainer may delete it."""
-    file: str
-    nbytes: int
-
-
-@dataclasses.dataclass
-class Manifest:
-    fulls: list = dataclasses.field(default_factory=list)     # FullEntry, in commit order
-    batches: list = dataclasses.field(default_factory=list)   # BatchEntry, in commit order
-    run: str | None = None                                    # the directory's run id (None: unknown)
-    retired: list = dataclasses.field(default_factory=list)   # RetiredEntry
-    # True when rebuilt by scanning files (the committed manifest was missing or damaged).
-    rebuilt: bool = dataclasses.field(default=False, compare=False)
-
-    def to_json(self) -> bytes:
-        body = {"version": MANIFEST_VERSION,
-                "fulls": [dataclasses.asdict(e) for e in self.fulls],
-                "batches": [dataclasses.asdict(e) for e in self.batches],
-                "retired": [dataclasses.asdict(e) for e in self.retired]}
-        if self.run is not None:
-            body["run"] = self.run
-        text = json.dumps(body, indent=1, sort_keys=True)
-        return json.dumps({"crc32": zlib.crc32(text.encode()), "manifest": body}, indent=1, sort_keys=True).encode()
-
-    def files(self) -> set:
-        """Names of the files listed."""
-        return {f.file for f in self.fulls} | {b.file for b in self.batches}
-
-    @classmethod
-    def from_json(cls, data: bytes, path: str) -> Manifest:
-        try:
-            outer = json.loads(data)
-        except ValueError as exc:
-            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
-        if not isinstance(outer, dict) or not ({"crc32", "manifest"} & set(outer)):
-            # Valid JSON that is not ours at all (damage cannot turn both keys into others): another
-            # tool's file. Never rebuilt over, never overwritten.
-            raise ForeignFileError(path, "is not a lowdiff manifest (valid JSON without 'crc32' or 'manifest'); "
-                                         "refusing to use or overwrite it — is this the right directory?")
-        try:
-            body = outer["manifest"]
-            text = json.dumps(body, indent=1, sort_keys=True)
-            if zlib.crc32(text.encode()) != outer["crc32"]:
-                raise CorruptCheckpointError(path, "manifest checksum mismatch")
-            if body.get("version") != MANIFEST_VERSION:
-                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, this lowdiff reads "
-                                                 f"version {MANIFEST_VERSION}")
-            run = body.get("run")
-            if run is not None and not isinstance(run, str):
-                raise TypeError(f"run is {run!r}")
-            return cls([FullEntry(**e) for e in body["fulls"]], [BatchEntry(**e) for e in body["batches"]],
-                       run, [RetiredEntry(**e) for e in body.get("retired", [])])
-        except (CorruptCheckpointError, VersionMismatchError):
-            raise
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
+class Manifest(ManifestRecord):
+    """A directory's manifest: its fields and JSON are lowdiff.format.schema's ``ManifestRecord``;
+    here, what the listed files reach."""
 
     def durable_step(self) -> int:
         """The newest step reachable from some full checkpoint through contiguous batches (-1 if none)."""
@@ -157,17 +85,12 @@ def describe_retained(manifest: Manifest) -> str:
 def write_manifest(directory: str, manifest: Manifest) -> None:
     """Commit ``manifest`` with the one commit protocol every lowdiff file uses (fastio.Writer:
     temporary file, fdatasync, rename over MANIFEST.json, directory fsync)."""
-    with fastio.Writer(os.path.join(directory, MANIFEST_NAME), priority=fastio.URGENT) as writer:
-        writer.write(manifest.to_json())
-        faults.point("manifest-write")
+    write_json_file(os.path.join(directory, MANIFEST_NAME), manifest.to_json(), priority=fastio.URGENT,
+                    fault="manifest-write")
 
 
 def read_manifest(directory: str) -> Manifest | None:
     """The committed manifest, None if there is none. Raises CorruptCheckpointError if damaged."""
     path = os.path.join(directory, MANIFEST_NAME)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    return Manifest.from_json(data, path)
+    data = read_file(path)
+    return None if data is None else Manifest.from_json(data, path)

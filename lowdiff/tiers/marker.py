@@ -4,20 +4,23 @@ and one layout (single-process or partitioned) in each."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import fastio
 from lowdiff.distributed.partition import Partition, is_partitioned
-from lowdiff.errors import CheckpointError, CorruptCheckpointError
+from lowdiff.errors import CheckpointError
+from lowdiff.format.container import read_file, write_json_file
+from lowdiff.format.schema import TIERS_VERSION, TiersMarker
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.store.inventory import is_dead_temp
 from lowdiff.store.manifest import MANIFEST_NAME
 from lowdiff.store.retention import Policy
 from lowdiff.tiers.policy import Tiers
 
+__all__ = ["TIERS_NAME", "TIERS_VERSION", "check_layouts", "complete_in", "join_runs", "read_marker", "read_tiers",
+           "refuse_runs", "write_marker"]
+
 TIERS_NAME = "TIERS.json"
-TIERS_VERSION = 1
 
 
 def join_runs(local: CheckpointStore, shared: CheckpointStore) -> None:
@@ -58,38 +61,21 @@ def complete_in(partition: Partition, root: str):
 def write_marker(local_dir: str, tiers: Tiers, local_policy: Policy) -> None:
     """Record in the local directory where its shared tier is and each tier's policy (committed
     with fastio.Writer: temporary file, fdatasync, rename, directory fsync)."""
-    body = {"version": TIERS_VERSION, "shared_dir": tiers.shared_dir, "local_policy": local_policy.describe(),
-            "shared_policy": tiers.shared.describe(), "max_lag_steps": tiers.max_lag_steps}
-    data = json.dumps(body, indent=1, sort_keys=True).encode()
+    marker = TiersMarker(tiers.shared_dir, local_policy.describe(), tiers.shared.describe(), tiers.max_lag_steps)
+    write_json_file(os.path.join(local_dir, TIERS_NAME), marker.to_json(), priority=fastio.URGENT,
+                    is_dead_temp=is_dead_temp, unless_same=True)
+
+
+def read_tiers(local_dir: str) -> TiersMarker | None:
+    """The ``TIERS.json`` of ``local_dir`` (None: the directory has no shared tier). Raises
+    CorruptCheckpointError for a file that is not a tier marker of this version."""
     path = os.path.join(local_dir, TIERS_NAME)
-    for name in os.listdir(local_dir):   # a writer killed mid-write left its temporary file
-        if name.startswith(f".{TIERS_NAME}.tmp-") and is_dead_temp(name):
-            try:
-                os.unlink(os.path.join(local_dir, name))
-            except FileNotFoundError:
-                pass
-    try:
-        with open(path, "rb") as f:
-            if f.read() == data:
-                return
-    except FileNotFoundError:
-        pass
-    with fastio.Writer(path, priority=fastio.URGENT) as writer:
-        writer.write(data)
+    data = read_file(path)
+    return None if data is None else TiersMarker.from_json(data, path)
 
 
 def read_marker(local_dir: str) -> dict | None:
-    """The ``TIERS.json`` of ``local_dir`` (None: the directory has no shared tier)."""
-    path = os.path.join(local_dir, TIERS_NAME)
-    try:
-        with open(path, "rb") as f:
-            body = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise CorruptCheckpointError(path, f"is not valid JSON: {exc}") from None
-    if not isinstance(body, dict) or body.get("version") != TIERS_VERSION or \
-            not isinstance(body.get("shared_dir"), str):
-        raise CorruptCheckpointError(path, f"is not a version {TIERS_VERSION} tier marker")
-    return body
-
+    """``read_tiers`` as the fields by name that the file holds (None: the directory has no shared
+    tier)."""
+    marker = read_tiers(local_dir)
+    return None if marker is None else marker.fields()

@@ -2,6 +2,7 @@
 CheckpointStore (which must never delete what the newest full checkpoint's chain needs)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -320,3 +321,36 @@ def test_the_next_store_deletes_only_retired_files_and_temp_files_of_dead_writer
     assert not {name for name, keep in temps.items() if not keep} & left
     assert unexplained.exists() and (tmp_path / full_name(98, "dddddddd")).is_dir()
     assert listed <= left
+
+
+# ------------------------------------------------------------------ the format package's JSON files
+def test_the_manifest_schema_lives_in_the_format_package():
+    """store.manifest adds chains to format.schema's record; its entries are format's own."""
+    from lowdiff.format import schema
+    assert issubclass(Manifest, schema.ManifestRecord) and FullEntry is schema.FullEntry
+    m = Manifest([full(0)], [batch(1, 3)], run="0" * 16)
+    assert type(Manifest.from_json(m.to_json(), "m")) is Manifest
+    assert dataclasses.replace(m, run=None) == Manifest([full(0)], [batch(1, 3)])
+
+
+def test_the_json_helper_commits_atomically_and_cleans_dead_temporaries(tmp_path):
+    from lowdiff.format.container import read_file, write_json_file
+    from lowdiff.store.inventory import is_dead_temp
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".TIERS.json.tmp-{dead.pid}-abcd"          # a writer killed mid-write
+    live = tmp_path / f".TIERS.json.tmp-{os.getpid()}-abcd"       # ours: never removed
+    other = tmp_path / f".CONTROLLER.json.tmp-{dead.pid}-abcd"  # another file's: not this writer's business
+    for path in (stale, live, other):
+        path.write_bytes(b"partial")
+    target = str(tmp_path / "TIERS.json")
+    assert read_file(target) is None
+    write_json_file(target, b'{"a": 1}', is_dead_temp=is_dead_temp)
+    assert read_file(target) == b'{"a": 1}'
+    assert not stale.exists() and live.exists() and other.exists()
+    before = os.stat(target).st_ino
+    write_json_file(target, b'{"a": 1}', unless_same=True)    # the same bytes: not rewritten
+    assert os.stat(target).st_ino == before
+    write_json_file(target, b'{"a": 2}', unless_same=True)
+    assert read_file(target) == b'{"a": 2}' and os.stat(target).st_ino != before
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, "TIERS.json"])
