@@ -4,9 +4,9 @@ checkpoint, batch write, decode, replay, restart), the model's inputs (``Costs``
 their medians, the samples kept in CONTROLLER.json between sessions, and the raw timings of
 ``stats()``.
 
-Thread-safe: one lock guards every window; the clock is read by the caller (the controller) and
-passed in, so a step's interval does not include a wait for that lock. Measurements are medians of
-recent samples (robust to the odd slow write or GC pause).
+Thread-safe: one lock guards every window. A step's end is timed by the caller (the controller,
+before it takes its own lock) and passed in, so a step's interval holds no wait for a lock.
+Measurements are medians of recent samples (robust to the odd slow write or GC pause).
 """
 from __future__ import annotations
 

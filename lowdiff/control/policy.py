@@ -174,8 +174,9 @@ class Policy:
     def step_finished(self, recording: bool, clean_s: float | None, probes: int) -> float | None:
         """A step ended; ``recording``: whether it recorded a differential; ``clean_s``: its
         interval when neither a full checkpoint's stall nor its persist was in it (else None);
-        ``probes``: the probe samples the meter holds. Runs, ends or starts a probe (which sets
-        what the next step does); returns the sample of ``record_ratio`` a probe that ended gave."""
+        ``probes``: the probe samples the meter holds (read only with differentials="auto").
+        Runs, ends or starts a probe (which sets what the next step does); returns the sample of
+        ``record_ratio`` a probe that ended gave."""
         self._steps_seen += 1
         self._steps_since_full += 1
         if clean_s is not None:
