@@ -46,7 +46,16 @@ import gpt  # noqa: E402
 
 import lowdiff  # noqa: E402
 import recovery  # noqa: E402
-from lowdiff.control.costmodel import Costs, Limits, checkfreq_full_every, evaluate, solve, young_daly_full_every
+from lowdiff.control.costmodel import (  # noqa: E402
+    Costs,
+    Evaluation,
+    Limits,
+    checkfreq_full_every,
+    evaluate,
+    solve,
+    young_daly_full_every,
+)
+from lowdiff.control.policy import LEARNING_FULL_COSTS, PROBE_WARMUP, Measured, Policy  # noqa: E402
 from lowdiff.step.compress import decompress_into  # noqa: E402
 from lowdiff.store.inventory import take_inventory  # noqa: E402
 
@@ -257,6 +266,18 @@ def _grid_full_every(c: Costs, optima: list[int]) -> list[int]:
     return sorted({max(lo, round(f * r)) for f in optima for r in ratios} | {lo})
 
 
+def controller_choice(c: Costs, limits: Limits, differentials: bool | str) -> Evaluation:
+    """The setting the controller's own policy (lowdiff.control.policy, the code a training run
+    executes) takes for costs ``c``: full_every and batch_steps "auto", ``differentials`` as given
+    ("auto": it may choose full checkpoints only), every cost measured and its learning phase over
+    (as many full checkpoints' costs and probes as it waits for), so nothing limits its decision."""
+    policy = Policy(limits, full_every="auto", batch_steps="auto", differentials=differentials)
+    measured = Measured(c, differentials_measured=True, full_costs=LEARNING_FULL_COSTS, probes=PROBE_WARMUP)
+    if policy.resolve(measured, "simulation", time_s=0.0) is None or policy.current is None:
+        raise AssertionError("the policy's first decision is always applied")
+    return policy.current
+
+
 def run_simulation(profile_list, failures: int, seed: int, out_dir: str) -> list[dict]:
     rows = []
     for index, (name, c, per_hour) in enumerate(profile_list):
@@ -268,8 +289,8 @@ def run_simulation(profile_list, failures: int, seed: int, out_dir: str) -> list
         gaps = np.random.default_rng(seed + index).exponential(mtbf_s, failures * 3 + 100)
         total = int(failures * mtbf_s / c.step_s)
         ideal = total * c.step_s
-        chosen = {"controller": solve(c, limits, differentials="auto"),   # may choose full checkpoints only
-                  "controller-diffs": solve(c, limits)}                     # differentials kept
+        chosen = {"controller": controller_choice(c, limits, "auto"),   # may choose full checkpoints only
+                  "controller-diffs": controller_choice(c, limits, True)}  # differentials kept
         fulls = {"young-daly-full": young_daly_full_every(c, limits), "checkfreq-full": checkfreq_full_every(c)}
         sim = {label: (e.full_every, e.batch_steps) for label, e in chosen.items()}
         sim.update({label: (f, None) for label, f in fulls.items()})

@@ -6,7 +6,10 @@ import logging
 
 import pytest
 
-from lowdiff.control.controller import (
+from lowdiff.control.controller import Controller
+from lowdiff.control.costmodel import Evaluation, Limits, solve
+from lowdiff.control.meter import process_age_s
+from lowdiff.control.policy import (
     AUTO_INITIAL_BATCH_STEPS,
     AUTO_INITIAL_FULL_EVERY,
     LEARNING_FACTOR,
@@ -14,11 +17,8 @@ from lowdiff.control.controller import (
     PROBE_MIN_FULL_EVERY,
     PROBE_WARMUP,
     RESOLVE_EVERY_BATCHES,
-    Controller,
     choose,
-    process_age_s,
 )
-from lowdiff.control.costmodel import Evaluation, Limits, solve
 from lowdiff.train.config import WrapConfig
 
 
@@ -310,7 +310,7 @@ def test_the_probe_times_steps_without_differentials_before_full_checkpoints_due
     checkpoint that is due anyway without recording: the cost model sees what recording really
     costs (4% of a step here, of which the training thread's own part is only 0.5 ms of 4), and no
     full checkpoint is added but the first probe's. (Failures every 10 s: differentials stay.)"""
-    from lowdiff.control.controller import PROBE_EVERY_FULLS, PROBE_STEPS, PROBE_WARMUP
+    from lowdiff.control.policy import PROBE_EVERY_FULLS, PROBE_STEPS, PROBE_WARMUP
 
     controller = Controller(WrapConfig(full_every=40, batch_steps=4, differentials="auto",
                                        failure_rate_per_hour=360.0))
@@ -362,7 +362,7 @@ def test_with_differentials_off_the_probe_records_a_few_steps_after_a_due_full(m
     """Off, the probe turns recording on at a full checkpoint that is due anyway (a chain starts
     there) and off again after PROBE_STEPS clean steps; the costs follow the machine: recording
     got cheaper (10%), and the ratio measured beside steps without shows it."""
-    from lowdiff.control.controller import PROBE_STEPS
+    from lowdiff.control.policy import PROBE_STEPS
 
     controller = Controller(WrapConfig(full_every=30, batch_steps=4, differentials="auto"))
     controller.differentials = False
@@ -479,12 +479,12 @@ def test_a_probes_sample_is_kept_in_the_measurements_file_at_the_next_batch(tmp_
     """A probe costs a few unrecorded steps: its sample is written to CONTROLLER.json by the diff
     writer at the next batch, not only at the next full checkpoint (a SIGKILL before it would
     make the restarted session probe again)."""
-    from lowdiff.control.controller import _Probe
+    from lowdiff.control.policy import Probe
 
     controller = Controller(WrapConfig(full_every=40, batch_steps=4, differentials="auto"))
     controller.load_state(str(tmp_path))
     feed(controller)
-    controller._probe = _Probe(False, [0.11, 0.11], 0, samples=[0.1, 0.1], steps=2)
+    controller.policy.probe = Probe(False, [0.11, 0.11], 0, samples=[0.1, 0.1], steps=2)
     controller._end_probe_locked()
     assert json.loads((tmp_path / "CONTROLLER.json").read_text())["samples"].get("record_ratio") is None
     controller.batch_written(4, 0.01, 1_000_000)
