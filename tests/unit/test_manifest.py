@@ -16,6 +16,7 @@ import lowdiff
 from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.store.inventory import load_view
+from lowdiff.store.retention import KeepLast
 from lowdiff.store.manifest import (
     MANIFEST_NAME,
     BatchEntry,
@@ -157,7 +158,7 @@ class Simulation:
     some time later (the next one is taken only after it is committed)."""
 
     def __init__(self, directory, keep_full):
-        self.store = CheckpointStore(directory, keep_full)
+        self.store = CheckpointStore(directory, KeepLast(keep_full))
         self.directory = self.store.directory
         self.step = 0
         self.batch_start = 1
@@ -195,7 +196,7 @@ class Simulation:
         on_disk = {n for n in os.listdir(self.directory) if n.endswith((".ldf", ".ldd"))}
         listed = {f.file for f in m.fulls} | {b.file for b in m.batches}
         assert listed == on_disk, "exactly the listed files exist"
-        assert len(m.fulls) <= self.store.keep_full
+        assert len(m.fulls) <= self.store.policy.n
         if not m.fulls:
             return
         # every kept full checkpoint (in particular the newest) still reaches the newest step
@@ -257,7 +258,7 @@ def test_a_resumed_session_drops_the_abandoned_timeline(tmp_path):
     old_files = {b.file for b in first.store.manifest.batches}
 
     # a new session resumed at step 6 (say, records 7.. did not verify) and commits its base full
-    store = CheckpointStore(str(tmp_path), keep_full=3)
+    store = CheckpointStore(str(tmp_path), KeepLast(3))
     try:
         assert store.manifest == first.store.manifest
         path = store.full_path(6)
