@@ -202,8 +202,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         else:
             capture.check_untouched(self.step_count, session.force_full if replica is None else replica.force_resync)
         if self._pending is not None:
-            raise CheckpointError('wrap(boundary="manual"): call opt.boundary() after each opt.step() '
-                                  '(once the loop\'s work after the step is done) before the next opt.step()')
+            raise CheckpointError('wrap(options=lowdiff.Options(boundary="manual")): call opt.boundary() after each '
+                                  'opt.step() (once the loop\'s work after the step is done) before the next '
+                                  'opt.step()')
         self._schedulers.step_starting()
         loss = None
         if closure is not None:
@@ -250,13 +251,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return loss
 
     def boundary(self) -> None:
-        """With ``wrap(boundary="manual")``: the iteration ends here. The step just taken is recorded
-        with the RNG, buffers, scheduler and ``extra_state`` as they are now, after the work the loop
-        did since ``opt.step()`` (validation, a ReduceLROnPlateau or EMA update, a scheduler stepped
-        by the loop). Call it once after every ``opt.step()``."""
+        """With ``wrap(options=lowdiff.Options(boundary="manual"))``: the iteration ends here. The
+        step just taken is recorded with the RNG, buffers, scheduler and ``extra_state`` as they are
+        now, after the work the loop did since ``opt.step()`` (validation, a ReduceLROnPlateau or EMA
+        update, a scheduler stepped by the loop). Call it once after every ``opt.step()``."""
         if self.config.boundary != "manual":
-            raise CheckpointError('boundary() is for wrap(boundary="manual"); by default the iteration '
-                                  'boundary is the end of opt.step()')
+            raise CheckpointError('boundary() is for wrap(options=lowdiff.Options(boundary="manual")); by default '
+                                  'the iteration boundary is the end of opt.step()')
         if self._pending is None:
             raise CheckpointError("boundary() without an opt.step() since the last boundary()")
         with Busy(self):

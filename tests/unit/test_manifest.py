@@ -16,7 +16,6 @@ import lowdiff
 from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.store.inventory import load_view
-from lowdiff.store.retention import KeepLast
 from lowdiff.store.manifest import (
     MANIFEST_NAME,
     BatchEntry,
@@ -29,6 +28,7 @@ from lowdiff.store.manifest import (
     read_manifest,
     write_manifest,
 )
+from lowdiff.store.retention import KeepLast
 
 
 def full(step, session="aaaaaaaa"):
