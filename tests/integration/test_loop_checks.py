@@ -97,7 +97,7 @@ def test_the_same_loop_without_the_boundary_diverges_and_is_named(tmp_path):
 
 def test_manual_boundary_misuse_is_refused_before_anything_changes(tmp_path):
     model, opt = model_and_opt()
-    wrapped = lowdiff.wrap(opt, model, tmp_path / "ckpt", boundary="manual")
+    wrapped = lowdiff.wrap(opt, model, tmp_path / "ckpt", options=lowdiff.Options(boundary="manual"))
     with pytest.raises(lowdiff.CheckpointError, match="without an opt.step"):
         wrapped.boundary()
     train(wrapped, model, 1)
