@@ -93,7 +93,7 @@ def make_run(directory: str, naive_dir: str, model_name: str, chain: int, ratio:
     params = list(model.parameters())
     compressor = lowdiff.TopK(ratio=ratio) if ratio else lowdiff.Dense()
     wrapped = lowdiff.wrap(opt, model, directory, compressor=compressor, full_every=10 ** 9, batch_steps=10,
-                           keep_full=4)
+                           retention=lowdiff.KeepLast(4))
     recovery.resume(directory, model, wrapped)
     for step in range(chain):
         synthetic_grads(params, step)

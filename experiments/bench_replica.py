@@ -11,9 +11,9 @@ weights on the same synthetic batches. Configurations:
   dense-10       lowdiff Dense(): a differential every step, written in batches of 10 steps
   topk-10        lowdiff TopK(0.01): a differential every step, batches of 10 steps (compressing
                  changes the training: its overhead against plain includes the compression)
-  replica-1      lowdiff Dense(), replica=True, full_every=1: the replica persisted as often as
+  replica-1      lowdiff Dense(), schedule=lowdiff.Replica(full_every=1): the replica persisted as often as
                  the disk allows (the next step after the previous write ended), batch_steps=10
-  replica-10     lowdiff Dense(), replica=True, full_every=10, batch_steps=10
+  replica-10     lowdiff Dense(), schedule=lowdiff.Replica(full_every=10, batch_steps=10)
   save-1         torch.save(model + optimizer state_dict) to a temp file + fsync + rename every step
   dcp-async      torch.distributed.checkpoint.async_save every step (single-process gloo group),
                  each save waiting for the previous one, as a training loop must
@@ -61,8 +61,8 @@ CONFIGS = {
     "dense-1": {"full_every": 10_000, "batch_steps": 1},
     "dense-10": {"full_every": 10_000, "batch_steps": 10},
     "topk-10": {"full_every": 10_000, "batch_steps": 10, "compressor": "topk"},
-    "replica-1": {"full_every": 1, "batch_steps": 10, "replica": True},
-    "replica-10": {"full_every": 10, "batch_steps": 10, "replica": True},
+    "replica-1": {"schedule": lowdiff.Replica(full_every=1, batch_steps=10)},
+    "replica-10": {"schedule": lowdiff.Replica(full_every=10, batch_steps=10)},
     "save-1": "save",
     "dcp-async": "dcp",
 }
@@ -82,8 +82,8 @@ class Trainer:
         if self.kind == "lowdiff":
             options = dict(options)
             compressor = lowdiff.TopK(0.01) if options.pop("compressor", "dense") == "topk" else lowdiff.Dense()
-            self.opt = lowdiff.wrap(self.raw_opt, self.model, self.directory, compressor=compressor, keep_full=2,
-                                    **options)
+            self.opt = lowdiff.wrap(self.raw_opt, self.model, self.directory, compressor=compressor,
+                                    retention=lowdiff.KeepLast(2), **options)
         self.dcp_handle = None
         self.dcp_dirs: list[Path] = []
         self.step_s: list[float] = []

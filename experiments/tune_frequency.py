@@ -106,7 +106,7 @@ def measure(name: str, compressor: str, root: str, rounds: int) -> dict:
     cfg = MODELS[name]
     directories = {kind: tempfile.mkdtemp(prefix=f"tune-{name}-{kind}-", dir=root) for kind in ("diffs", "fulls")}
     options = {"plain": None, "diffs": {"full_every": 10**6, "batch_steps": 4},
-               "fulls": {"full_every": FULL_ONLY_EVERY, "differentials": False}}
+               "fulls": {"schedule": lowdiff.Fixed(full_every=FULL_ONLY_EVERY, differentials=False)}}
     trainers = {}
     for kind, wrap_options in options.items():
         model = gpt.build_model(cfg)
@@ -354,8 +354,7 @@ def child(directory: str, settings: str, rate_per_hour: float, steps: int, model
     cfg = MODELS[model_name]
     model = gpt.build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    opt = lowdiff.wrap(opt, model, directory, compressor=lowdiff.Dense(), failure_rate_per_hour=rate_per_hour,
-                       **wrap_options(settings))
+    opt = lowdiff.wrap(opt, model, directory, compressor=lowdiff.Dense(), schedule=schedule(settings, rate_per_hour))
     start = recovery.resume(directory, model, opt)
     print(f"resumed {start}", flush=True)
     for step in range(start, steps):
@@ -367,17 +366,17 @@ def child(directory: str, settings: str, rate_per_hour: float, steps: int, model
     opt.close()
 
 
-def wrap_options(settings: str) -> dict:
+def schedule(settings: str, rate_per_hour: float) -> lowdiff.Auto | lowdiff.Fixed:
     """"auto": everything auto, differentials included (consent given); "auto-diffs": full_every
     and batch_steps auto, differentials kept; "F/B": fixed; "F/off": full checkpoints only."""
     if settings == "auto":
-        return {"full_every": "auto", "batch_steps": "auto", "differentials": "auto"}
+        return lowdiff.Auto(differentials="auto", failure_rate_per_hour=rate_per_hour)
     if settings == "auto-diffs":
-        return {"full_every": "auto", "batch_steps": "auto"}
+        return lowdiff.Auto(failure_rate_per_hour=rate_per_hour)
     full, batch = settings.split("/")
     if batch == "off":
-        return {"full_every": int(full), "differentials": False}
-    return {"full_every": int(full), "batch_steps": int(batch)}
+        return lowdiff.Fixed(full_every=int(full), differentials=False)
+    return lowdiff.Fixed(full_every=int(full), batch_steps=int(batch))
 
 
 class Launcher:

@@ -12,9 +12,13 @@ from lowdiff.errors import (
            VersionMismatchError,
 )
 from lowdiff.step.compress import Dense, TopK
+from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast
+from lowdiff.tiers.policy import Tiers
 from lowdiff.train.data import ResumableLoader
+from lowdiff.train.options import Auto, Fixed, Options, Replica
 from lowdiff.train.wrapper import LowDiffOptimizer, wrap
 
-__all__ = ["CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
-           "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
-           "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "init_process_group", "wrap"]
+__all__ = ["Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError",
+           "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll",
+           "KeepEvery", "KeepLast", "LowDiffOptimizer", "NoCheckpointError", "Options", "Replica", "ResumableLoader",
+           "Tiers", "TopK", "VersionMismatchError", "init_process_group", "wrap"]

@@ -137,7 +137,7 @@ def _warn(kind: str, mixed: list[str], changed_after: dict, unchanged_after: dic
         f"{_steps(unchanged_after[first])} (a validation pass, an epoch starting, ...). Checkpoints hold the "
         f"state of the boundary: a run resumed at one of these steps redoes or skips that work depending on "
         f"where it resumes, and then differs from this run. To make it exact, {hint}, or wrap with "
-        f"boundary=\"manual\" and call opt.boundary() once that work is done. Shown once.",
+        f"options=lowdiff.Options(boundary=\"manual\") and call opt.boundary() once that work is done. Shown once.",
         RuntimeWarning, stacklevel=_caller_stacklevel())
 
 

@@ -7,7 +7,7 @@ embeddings), and a ``scheduler`` whose ``step()`` needs arguments (ReduceLROnPla
 lowdiff would call it without one after the optimizer had already stepped).
 
 Loops that do work between steps (validation, ReduceLROnPlateau, an EMA, a scheduler the loop
-steps) use ``wrap(boundary="manual")`` and call ``opt.boundary()`` when that work is done.
+steps) use ``wrap(options=lowdiff.Options(boundary="manual"))`` and call ``opt.boundary()`` when that work is done.
 
 Warned: an LR scheduler attached to the optimizer but given to lowdiff neither as ``scheduler`` nor
 in ``extra_state`` (its position would not be saved), and a scheduler stepped between two
@@ -27,7 +27,7 @@ import warnings
 import torch
 
 _PLATEAU_HINT = ("Step it yourself after validation, pass it in extra_state and wrap with "
-                 "boundary=\"manual\", calling opt.boundary() once that work is done")
+                 "options=lowdiff.Options(boundary=\"manual\"), calling opt.boundary() once that work is done")
 
 
 def refuse_unreplayable(optimizer, model, scheduler) -> None:
@@ -110,12 +110,12 @@ class SchedulerWatch:
             elif isinstance(obj, torch.optim.swa_utils.AveragedModel):
                 why = ("it is updated after lowdiff captured it at the iteration boundary (the end of "
                        "opt.step(), or opt.boundary()): a resumed average would lag one update. Wrap with "
-                       "boundary=\"manual\" and call opt.boundary() after updating it")
+                       "options=lowdiff.Options(boundary=\"manual\") and call opt.boundary() after updating it")
             else:
                 why = ("it is stepped after lowdiff captured it at the iteration boundary (the end of "
                        "opt.step(), or opt.boundary()): a resumed schedule would lag one step. Pass it as "
-                       "wrap(scheduler=...) and do not step it yourself, or wrap with boundary=\"manual\" "
-                       "and call opt.boundary() after stepping it")
+                       "wrap(scheduler=...) and do not step it yourself, or wrap with "
+                       "options=lowdiff.Options(boundary=\"manual\") and call opt.boundary() after stepping it")
             warnings.warn(f"lowdiff: {name} ({type(obj).__name__}): {why}", RuntimeWarning, stacklevel=4)
 
 

@@ -134,9 +134,10 @@ def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="t
     model, opt, sched, sampler = build(optimizer)
     start = 0
     if directory is not None:
-        opt = lowdiff.wrap(opt, model, directory, compressor=compressor_from(compressor, ratio),
-                           full_every=full_every, batch_steps=batch_steps, scheduler=sched,
-                           extra_state={"sampler": sampler}, replica=replica, tiers=tiers)
+        when = {"schedule": lowdiff.Replica(full_every=full_every, batch_steps=batch_steps)} if replica else \
+            {"full_every": full_every, "batch_steps": batch_steps}
+        opt = lowdiff.wrap(opt, model, directory, compressor=compressor_from(compressor, ratio), scheduler=sched,
+                           extra_state={"sampler": sampler}, tiers=tiers, **when)
         import recovery  # (lowdiff reaches recovery only inside its cli and integrations)
 
         start = recovery.resume(directory, model, opt)

@@ -8,8 +8,8 @@ full checkpoints, the dropped directory keeps exactly the full shares of the set
 still lists, and the differential shares that continue them. Everything else is retired with the
 one protocol (manifest committed first, naming the retired files, then deleted), so a crash leaves
 nothing listed that a kept set needs and the next start finishes the deletions. Whatever the live
-rank keeps — the newest complete sets, older ones until ``keep_full`` newer complete sets exist —
-its dropped counterparts keep too.
+rank keeps — by its retention policy, e.g. the newest complete sets, older ones until ``KeepLast(n)``
+has n newer complete sets — its dropped counterparts keep too (``follow``, in lowdiff.store.retention).
 
 Once a dropped directory lists nothing and holds nothing but its manifest, lock and controller
 measurements, it is removed (``remove_emptied``; docs/format.md, "Dropped ranks"), so a smaller
@@ -17,7 +17,6 @@ run leaves no empty rank directories behind; one a crash left half-removed goes 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -27,20 +26,11 @@ from lowdiff.distributed.partition import Partition, rank_directories
 from lowdiff.errors import CheckpointLockedError
 from lowdiff.store.directory import LOCK_NAME, CheckpointStore
 from lowdiff.store.manifest import MANIFEST_NAME, Manifest
+from lowdiff.store.retention import KeepAll, follow
+
+__all__ = ["DroppedRanks", "follow", "remove_emptied"]
 
 log = logging.getLogger("lowdiff")
-
-
-def follow(dropped: Manifest, live: Manifest) -> Manifest:
-    """``dropped`` keeping the full shares of the sets ``live`` lists and the differential shares
-    of their sessions after the oldest of them (each kept set's chain)."""
-    kept = {(f.step, f.session) for f in live.fulls}
-    fulls = [f for f in dropped.fulls if (f.step, f.session) in kept]
-    oldest: dict = {}
-    for full in fulls:
-        oldest[full.session] = min(full.step, oldest.get(full.session, full.step))
-    batches = [b for b in dropped.batches if b.session in oldest and b.last > oldest[b.session]]
-    return dataclasses.replace(dropped, fulls=fulls, batches=batches)
 
 
 def remove_emptied(store: CheckpointStore) -> bool:
@@ -82,12 +72,14 @@ def remove_emptied(store: CheckpointStore) -> bool:
 class DroppedRanks:
     """The dropped rank directories this rank cleans; ``attach`` it to this rank's store."""
 
-    def __init__(self, partition: Partition, keep_full: int):
+    def __init__(self, partition: Partition):
         self.stores: list[CheckpointStore] = []
         for rank, path in sorted(rank_directories(partition.root).items()):
             if rank >= partition.world and rank % partition.world == partition.rank:
                 try:
-                    store = CheckpointStore(path, keep_full)
+                    # A dropped directory keeps what the live rank keeps (retention.follow, applied
+                    # with keep_only); its store never commits an entry, so no policy of its own runs.
+                    store = CheckpointStore(path, KeepAll())
                 except CheckpointLockedError as exc:   # a process of the earlier job still runs
                     log.warning("lowdiff: %s; its old shares are not cleaned by this run", exc)
                     continue

@@ -1,6 +1,19 @@
 """Integrations with training frameworks (optional dependencies, imported only from these modules):
 ``lowdiff.integrations.hf`` (Hugging Face Trainer), ``lowdiff.integrations.lightning`` (PyTorch
 Lightning)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def manual_boundary(wrap_options: dict) -> dict[str, Any]:
+    """``wrap_options`` with the iteration boundary set to "manual" (the callback marks it), keeping
+    the other fields of an ``options=lowdiff.Options(...)`` given."""
+    import lowdiff
+
+    options = wrap_options.get("options") or lowdiff.Options()
+    return {**wrap_options, "options": dataclasses.replace(options, boundary="manual")}
 
 
 def refuse_fixed_options(wrap_options: dict, fixed: tuple, why: str) -> None:

@@ -2,10 +2,10 @@
 
 Trainer's inner loop per update step: ``optimizer.step()`` -> ``lr_scheduler.step()`` ->
 ``state.global_step += 1`` -> callbacks' ``on_step_end``. So the optimizer is wrapped with
-``boundary="manual"`` and ``LowDiffCallback.on_step_end`` calls ``opt.boundary()``: the step is
-recorded with the scheduler Trainer just stepped, the RNG as the next step starts from it, and
-Trainer's own state (global step, epoch, log history), which the callback saves as an
-``extra_state`` object.
+``options=lowdiff.Options(boundary="manual")`` and ``LowDiffCallback.on_step_end`` calls
+``opt.boundary()``: the step is recorded with the scheduler Trainer just stepped, the RNG as the
+next step starts from it, and Trainer's own state (global step, epoch, log history), which the
+callback saves as an ``extra_state`` object.
 
 Resume goes through Trainer's own ``resume_from_checkpoint``, which owns the data position (it
 fast-forwards the dataloader past the consumed batches of the interrupted epoch with accelerate's
@@ -35,7 +35,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import lowdiff
-from lowdiff.integrations import refuse_fixed_options
+from lowdiff.integrations import manual_boundary, refuse_fixed_options
 
 RESUME_FOLDER = "lowdiff-resume"
 
@@ -64,8 +64,8 @@ class LowDiffCallback(TrainerCallback):
         if scheduler is not None:
             extra["scheduler"] = scheduler
         extra["trainer"] = self
-        self.optimizer = lowdiff.wrap(optimizer, model, self.directory, extra_state=extra, boundary="manual",
-                                      **self.wrap_options)
+        self.optimizer = lowdiff.wrap(optimizer, model, self.directory, extra_state=extra,
+                                      **manual_boundary(self.wrap_options))
         return self.optimizer
 
     # -------------------------------------------------------------- Trainer hooks

@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 import lowdiff
-from lowdiff.integrations import refuse_fixed_options
+from lowdiff.integrations import manual_boundary, refuse_fixed_options
 
 
 class LowDiffCallback(pl.Callback):
@@ -55,8 +55,8 @@ class LowDiffCallback(pl.Callback):
         extra: dict[str, Any] = {f"scheduler{i}": config.scheduler
                                  for i, config in enumerate(trainer.lr_scheduler_configs)}
         extra["lightning"] = self
-        self.optimizer = lowdiff.wrap(inner, pl_module, self.directory, extra_state=extra, boundary="manual",
-                                      **self.wrap_options)
+        self.optimizer = lowdiff.wrap(inner, pl_module, self.directory, extra_state=extra,
+                                      **manual_boundary(self.wrap_options))
         trainer.strategy.optimizers = [self.optimizer]
         self.resumed_step = int(recovery.resume(self.directory, pl_module, self.optimizer))
         if self.resumed_step and self._loop:

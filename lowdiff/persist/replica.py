@@ -298,5 +298,5 @@ def check_replica_arguments(compressor) -> None:
     from lowdiff.step.compress import Dense
 
     if not isinstance(compressor, Dense):
-        raise ValueError(f"replica=True applies the dense gradient the optimizer consumed; use "
+        raise ValueError(f"replica mode (lowdiff.Replica) applies the dense gradient the optimizer consumed; use "
                          f"compressor=lowdiff.Dense(), not {compressor!r}")

@@ -38,18 +38,18 @@ class CheckpointSession:
         self.drainer = None          # storage tiers: copies committed files to the shared tier
         if config.tiers is not None:
             # (Partitioned: each rank drains its own rank directory; the join happens in there.)
-            self.store, self.drainer = open_tiers(directory, config.tiers, config.keep_full, engine, partition)
+            self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition)
         elif partition is None:
-            self.store = CheckpointStore(directory, config.keep_full)
+            self.store = CheckpointStore(directory, config.retention)
         else:
-            self.store = CheckpointStore(partition.directory, config.keep_full, complete=partition.complete)
+            self.store = CheckpointStore(partition.directory, config.retention, complete=partition.complete)
             partition.join(self.store)
         self.partition = partition
         self.dropped = None          # partitioned: rank directories of ranks that no longer exist
         if partition is not None:
             self.store.shares_durable = partition.durable_step
             try:
-                self.dropped = DroppedRanks(partition, config.keep_full)
+                self.dropped = DroppedRanks(partition)
             except BaseException:
                 self.close_store()
                 raise

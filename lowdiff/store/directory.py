@@ -1,6 +1,7 @@
 """CheckpointStore: owns a checkpoint directory while a trainer writes it.
 
-It holds the directory lock, is the only writer of the manifest, and applies retention. Every
+It holds the directory lock, is the only writer of the manifest, and applies retention (its policy,
+through lowdiff.store.retention.retain). Every
 manifest change is committed before any file it stops listing is deleted, and names those files
 in its ``retired`` list: a crash at any point leaves a manifest that lists only complete files,
 keeps everything the newest state needs, and says which leftovers may go. Nothing else is ever
@@ -15,30 +16,36 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable, Set
 
 from lowdiff import faults
 from lowdiff.errors import CheckpointLockedError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, diff_name, full_name, write_manifest
+from lowdiff.store.retention import KeepLast, Policy, check_policy, cleans_at_batch_commit, retain
 
 log = logging.getLogger("lowdiff")
 LOCK_NAME = "LOCK"
+DEFAULT_POLICY = KeepLast(2)
 
 
 class CheckpointStore:
     # The fault point between two deletions of retired files (lowdiff.faults).
     clean_point = "retention"
 
-    def __init__(self, directory: str, keep_full: int = 2, complete=None):
-        """``complete(fulls) -> {(step, session)}``: in a partitioned directory, which of this
-        directory's full checkpoints belong to a complete set; retention then counts only those."""
-        if keep_full < 1:
-            raise ValueError(f"keep_full={keep_full} must be >= 1")
+    def __init__(self, directory: str, policy: Policy = DEFAULT_POLICY, complete=None,
+                 pinned: Callable[[], Set[str]] | None = None):
+        """``policy``: what retention keeps (lowdiff.store.retention). ``complete(fulls) -> {(step,
+        session)}``: in a partitioned directory, which of this directory's full checkpoints belong
+        to a complete set; retention then counts only those. ``pinned()``: files retention must
+        keep whatever the policy says (a storage tier's files not copied yet)."""
+        check_policy("policy", policy)
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise NotADirectoryError(f"{self.directory} is a file, not a checkpoint directory")
         os.makedirs(self.directory, exist_ok=True)
-        self.keep_full = keep_full
+        self.policy = policy
+        self.pinned = pinned
         self._complete = complete
         # Partitioned directories (lowdiff.distributed.partition): the step every share is durable at, given
         # this rank's manifest; and what runs after each commit (cleaning dropped ranks' shares).
@@ -126,7 +133,7 @@ class CheckpointStore:
         with self._mutex:
             entry = BatchEntry(first, last, os.path.basename(path), nbytes, self.session)
             manifest = dataclasses.replace(self.manifest, batches=self.manifest.batches + [entry])
-            if self._complete is not None and len(manifest.fulls) > self.keep_full:
+            if self._complete is not None and cleans_at_batch_commit(self.policy, len(manifest.fulls)):
                 # Shares kept while a newer set was incomplete may go once it completes.
                 manifest = self._retain(manifest)
             self._commit(manifest)
@@ -145,19 +152,11 @@ class CheckpointStore:
             self._commit(self._retain(manifest))
 
     def _retain(self, manifest: Manifest) -> Manifest:
-        """Keep the newest ``keep_full`` full checkpoints and the batches that continue them. In a
-        partitioned directory only complete sets count, and every newer share is kept too: a rank
-        that died while writing its share of a newer set leaves the older complete sets loadable."""
-        fulls = sorted(manifest.fulls, key=lambda f: f.step)
-        if self._complete is not None:
-            done = self._complete(fulls)
-            fulls = [f for f in fulls if (f.step, f.session) in done]
-        kept = fulls[-self.keep_full:]
-        if not kept:
-            return manifest
-        oldest = kept[0].step
-        return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f in kept or f.step > oldest],
-                                   batches=[b for b in manifest.batches if b.last > oldest])
+        """What retention keeps of ``manifest`` (lowdiff.store.retention.retain). In a partitioned
+        directory only complete sets count, and every newer share is kept too: a rank that died
+        while writing its share of a newer set leaves the older complete sets loadable."""
+        pinned = self.pinned() if self.pinned is not None else frozenset()
+        return retain(self.policy, manifest, pinned, self._complete)
 
     def _commit(self, manifest: Manifest) -> None:
         """Commit ``manifest``; then delete the files it stopped listing, which it names as retired

@@ -1,4 +1,6 @@
-"""Retention policies: which full checkpoints and differential batches of a tier a commit keeps.
+"""Retention: which full checkpoints and differential batches of a directory a commit keeps — the
+policies (``KeepLast``, ``KeepEvery``, ``KeepAll``) and ``retain``, the one rule every store applies
+(the main directory, each storage tier, each rank directory of a partitioned layout).
 
 A policy only *chooses* entries; it never deletes. The store commits the manifest the policy
 returns and only then deletes what that manifest stopped listing (naming it ``retired``), so a
@@ -12,7 +14,7 @@ that must stay whatever the policy says (the local tier's files the drainer has 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 from lowdiff.store.manifest import Manifest, chain_end, plan_chain
 
@@ -73,12 +75,31 @@ Policy = KeepLast | KeepEvery | KeepAll
 
 def check_policy(name: str, policy) -> None:
     if not isinstance(policy, (KeepLast, KeepEvery, KeepAll)):
-        raise TypeError(f"{name} must be lowdiff.tiers.KeepLast(n), KeepEvery(k, last=n) or KeepAll(), "
+        raise TypeError(f"{name} must be lowdiff.KeepLast(n), KeepEvery(k, last=n) or KeepAll(), "
                         f"got {policy!r}")
 
 
+def retain(policy: Policy, manifest: Manifest, pinned: Set[str] = frozenset(),
+           complete: Callable[[list], Set[tuple]] | None = None) -> Manifest:
+    """What a commit of ``manifest`` keeps: the one retention rule every store applies (the main
+    directory, each tier, each rank directory of a partitioned layout). ``pinned``: files that stay
+    whatever the policy says. ``complete(fulls) -> {(step, session)}``: in a rank directory of a
+    partitioned layout, which full checkpoints belong to a complete set (``retain_sets``)."""
+    if complete is None:
+        return policy.retain(manifest, pinned)
+    return retain_sets(policy, manifest, pinned, complete(manifest.fulls))
+
+
+def cleans_at_batch_commit(policy: Policy, fulls: int) -> bool:
+    """Whether a rank directory of a partitioned layout applies retention when it commits a batch
+    while it lists ``fulls`` full checkpoints: shares kept while a newer set was incomplete may go
+    once it completes, which can only matter once more full checkpoints are listed than the policy
+    keeps anyway (``KeepLast(n)``: n; other policies: 1)."""
+    return fulls > (policy.n if isinstance(policy, KeepLast) else 1)
+
+
 def retain_sets(policy: Policy, manifest: Manifest, pinned: Set[str], complete: Set[tuple]) -> Manifest:
-    """Retention in one rank's directory of a partitioned tier. ``policy`` chooses among the full
+    """Retention in one rank's directory of a partitioned layout. ``policy`` chooses among the full
     checkpoints whose set is complete (``complete``: their (step, session)); a share of a set that
     is not complete (yet) stays when it is newer than the oldest full checkpoint the policy kept —
     its set may still complete and become the newest state — and goes when older (a set that never
@@ -91,6 +112,19 @@ def retain_sets(policy: Policy, manifest: Manifest, pinned: Set[str], complete: 
     return _keep(manifest, files)
 
 
+def follow(dropped: Manifest, live: Manifest) -> Manifest:
+    """A rank directory a smaller run dropped (lowdiff.distributed.shareretention): ``dropped``
+    keeping the full shares of the sets ``live`` (the live rank that holds it) lists, and the
+    differential shares of their sessions after the oldest of them (each kept set's chain)."""
+    kept = {(f.step, f.session) for f in live.fulls}
+    fulls = [f for f in dropped.fulls if (f.step, f.session) in kept]
+    oldest: dict = {}
+    for full in fulls:
+        oldest[full.session] = min(full.step, oldest.get(full.session, full.step))
+    batches = [b for b in dropped.batches if b.session in oldest and b.last > oldest[b.session]]
+    return dataclasses.replace(dropped, fulls=fulls, batches=batches)
+
+
 def _keep(manifest: Manifest, files: set) -> Manifest:
     return dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f.file in files],
                                batches=[b for b in manifest.batches if b.file in files])
@@ -98,7 +132,7 @@ def _keep(manifest: Manifest, files: set) -> Manifest:
 
 def _last_files(manifest: Manifest, n: int) -> set:
     """The newest ``n`` full checkpoints, anything newer than the oldest of them, and the batches
-    after it (the same choice as CheckpointStore's ``keep_full``)."""
+    after it: "keep the newest n", the one rule that decides it."""
     fulls = sorted(manifest.fulls, key=lambda f: f.step)
     if not fulls:
         return manifest.files()   # nothing to start from yet: nothing may go

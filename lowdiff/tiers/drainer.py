@@ -24,6 +24,7 @@ from lowdiff import faults
 from lowdiff.distributed.partition import Partition, rank_directory
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.store.manifest import FullEntry, Manifest
+from lowdiff.store.retention import Policy
 from lowdiff.tiers.marker import check_layouts, complete_in, join_runs, refuse_runs, write_marker
 from lowdiff.tiers.policy import PolicyStore, Tiers
 
@@ -273,10 +274,11 @@ class Drainer:
             self._cond.notify_all()
 
 
-def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None,
+def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
                partition: Partition | None = None) -> tuple[PolicyStore, Drainer]:
     """The local tier's store (``directory``) and the drainer to ``tiers.shared_dir``; both hold
-    their directory's lock. With ``partition`` (this rank of a partitioned run), the rank's
+    their directory's lock. ``retention``: the local tier's policy unless ``tiers.local`` names
+    one (wrap's ``retention``). With ``partition`` (this rank of a partitioned run), the rank's
     directory of each tier: ``directory/rank-N`` drains into ``shared_dir/rank-N``, each tier's
     retention counting its own complete sets; ``partition.join`` (a collective) happens here."""
     local_dir = directory if partition is None else partition.directory
@@ -290,7 +292,7 @@ def open_tiers(directory: str, tiers: Tiers, keep_full: int, engine=None,
     # (A set is complete for the local tier when it is complete there or in the shared tier: ranks
     # on other nodes keep their local rank directories where this rank cannot see them, but every
     # share in the shared tier was committed locally first.)
-    local = PolicyStore(local_dir, tiers.local_policy(keep_full), complete=in_local)
+    local = PolicyStore(local_dir, tiers.local_policy(retention), complete=in_local)
     try:
         shared = PolicyStore(shared_dir, tiers.shared, clean_point="clean", complete=in_shared)
         try:

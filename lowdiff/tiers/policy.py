@@ -16,15 +16,15 @@ from collections.abc import Callable
 from lowdiff.distributed.partition import Partition, is_partitioned, partition_for
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.store.manifest import BatchEntry, Manifest
-from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast, Policy, check_policy, retain_sets
+from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast, Policy, check_policy
 
 __all__ = ["KeepAll", "KeepEvery", "KeepLast", "Tiers"]
 
 @dataclasses.dataclass(frozen=True)
 class Tiers:
     """Where and how checkpoints are staged. ``shared_dir``: the shared (slow, durable across
-    node loss) directory; ``local``/``shared``: each tier's retention policy (``local`` None:
-    ``KeepLast(keep_full)`` of ``wrap``); ``max_lag_steps``: how many committed steps the shared
+    node loss) directory; ``local``/``shared``: each tier's retention policy (``local`` None: the
+    ``retention`` of ``wrap``, ``KeepLast(2)`` by default); ``max_lag_steps``: how many committed steps the shared
     tier may be behind the local one before ``step()`` waits for the drainer (backpressure);
     ``verify_copies``: read each copy back from the shared tier and compare its CRC-32C before it
     is renamed into place (as many bytes read from the shared file system as written; False skips
@@ -48,19 +48,9 @@ class Tiers:
         if not isinstance(self.verify_copies, bool):
             raise TypeError(f"verify_copies={self.verify_copies!r} must be True or False")
 
-    def local_policy(self, keep_full: int) -> Policy:
-        return self.local if self.local is not None else KeepLast(keep_full)
-
-
-def tiers_from(shared_dir, tiers) -> Tiers | None:
-    """The tiers of ``wrap(shared_dir=..., tiers=...)`` (one of them, or neither)."""
-    if tiers is not None:
-        if not isinstance(tiers, Tiers):
-            raise TypeError(f"tiers must be lowdiff.tiers.Tiers(...), got {type(tiers).__name__}")
-        if shared_dir is not None and os.path.abspath(os.fspath(shared_dir)) != tiers.shared_dir:
-            raise ValueError(f"shared_dir={shared_dir!r} differs from tiers.shared_dir={tiers.shared_dir!r}")
-        return tiers
-    return None if shared_dir is None else Tiers(shared_dir)
+    def local_policy(self, default: Policy) -> Policy:
+        """The local tier's policy: ``local``, or ``default`` (wrap's ``retention``) when None."""
+        return self.local if self.local is not None else default
 
 
 def tiers_partition(directory, tiers: Tiers | None, rank: int, world: int, params: list) -> Partition | None:
@@ -73,23 +63,16 @@ def tiers_partition(directory, tiers: Tiers | None, rank: int, world: int, param
 
 
 class PolicyStore(CheckpointStore):
-    """A tier's store: retention by ``policy``, never dropping a file ``pinned()`` names; after
-    each commit, ``on_commit(manifest)`` (called with the store's mutex held: keep it short).
-    ``complete`` (a partitioned tier, see CheckpointStore): the policy counts complete sets only."""
+    """A tier's store: retention by ``policy`` (lowdiff.store.retention.retain, as every store),
+    never dropping a file ``pinned()`` names; after each commit, ``on_commit(manifest)`` (called
+    with the store's mutex held: keep it short). ``complete`` (a partitioned tier, see
+    CheckpointStore): the policy counts complete sets only."""
 
     def __init__(self, directory: str, policy: Policy, *, pinned: Callable[[], set] | None = None,
                  clean_point: str = "retention", complete=None):
-        self.policy = policy
-        self.pinned = pinned
         self.on_commit: Callable[[Manifest], None] | None = None
         self.clean_point = clean_point
-        super().__init__(directory, keep_full=policy.n if isinstance(policy, KeepLast) else 1, complete=complete)
-
-    def _retain(self, manifest: Manifest) -> Manifest:
-        pinned = self.pinned() if self.pinned is not None else frozenset()
-        if self._complete is None:
-            return self.policy.retain(manifest, pinned)
-        return retain_sets(self.policy, manifest, pinned, self._complete(manifest.fulls))
+        super().__init__(directory, policy, complete=complete, pinned=pinned)
 
     def _commit(self, manifest: Manifest) -> None:
         super()._commit(manifest)

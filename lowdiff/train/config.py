@@ -1,4 +1,6 @@
-"""WrapConfig: the validated settings of one lowdiff.wrap call, and the checks of its objects."""
+"""WrapConfig: the validated settings of one lowdiff.wrap call, resolved from its option objects
+(lowdiff.train.options) into the flat record the session, the controller and the replica read; and the
+checks of the objects handed to wrap()."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +8,8 @@ import os
 from typing import Any, Protocol
 
 import torch
+
+from lowdiff.store.retention import KeepLast, Policy, check_policy
 
 
 class Stateful(Protocol):
@@ -39,7 +43,7 @@ class WrapConfig:
 
     full_every: int | str = 100
     batch_steps: int | str = 10
-    keep_full: int = 2
+    retention: Policy = KeepLast(2)   # what the main directory keeps (lowdiff.store.retention)
     max_pending_batches: int = 2
     overwrite: bool = False
     failure_rate_per_hour: float = 0.1
@@ -56,8 +60,7 @@ class WrapConfig:
             value = getattr(self, name)
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int or 'auto'")
-        if self.keep_full < 1:
-            raise ValueError(f"keep_full={self.keep_full!r} must be >= 1")
+        check_policy("retention", self.retention)
         if self.max_pending_batches < 1:
             raise ValueError(f"max_pending_batches={self.max_pending_batches!r} must be >= 1")
         if not self.failure_rate_per_hour > 0:

@@ -27,13 +27,16 @@ from lowdiff.capture.stepcapture import StepCapture
 from lowdiff.control.controller import Controller
 from lowdiff.distributed.ddp import distributed_rank, is_ddp
 from lowdiff.errors import CheckpointError
-from lowdiff.persist.replica import Replica, check_replica_arguments
+from lowdiff.persist.replica import Replica as ReplicaWorker
+from lowdiff.persist.replica import check_replica_arguments
 from lowdiff.persist.session import CheckpointSession
 from lowdiff.step.compress import Dense, TopK
 from lowdiff.store.directory import CheckpointStore
-from lowdiff.tiers.policy import Tiers, tiers_from, tiers_partition
+from lowdiff.store.retention import Policy
+from lowdiff.tiers.policy import Tiers, tiers_partition
 from lowdiff.train.config import Scheduler, Stateful, WrapConfig, check_wrap_arguments
 from lowdiff.train.lifecycle import Busy, install_exit_hooks, live
+from lowdiff.train.options import Options, Schedule, translate_deprecated, wrap_config
 
 
 def _kept_by(part: str, name: str, doc: str) -> Any:
@@ -77,15 +80,12 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     _fulls = _kept_by("_session", "fulls", "The full-checkpoint writer (kept for tests that inspect it).")
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: str | os.PathLike[str],
-                 *, compressor: Dense | TopK | None = None, full_every: int | Literal["auto"] = 100,
-                 batch_steps: int | Literal["auto"] = 10, scheduler: Scheduler | None = None,
-                 extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
-                 grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2,
-                 overwrite: bool = False, failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
-                 batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
-                 replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None,
-                 shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None,
-                 differentials: bool | Literal["auto"] = True) -> None:
+                 config: WrapConfig, *, compressor: Dense | TopK | None = None, scheduler: Scheduler | None = None,
+                 extra_state: dict[str, Stateful] | None = None, grad_scaler: torch.amp.GradScaler | None = None,
+                 engine: Engine | None = None) -> None:
+        """Use ``lowdiff.wrap``. ``config``: its settings (lowdiff.train.options.wrap_config);
+        ``engine``: the fastio engine to write with (None: the process-wide one) — the internal way
+        for tests and benchmarks to choose one; wrap() has no such keyword."""
         if isinstance(optimizer, LowDiffOptimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
@@ -94,25 +94,20 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
             fastio.engine()
-        self.config = WrapConfig(full_every=full_every, batch_steps=batch_steps, keep_full=keep_full,
-                                 max_pending_batches=max_pending_batches, overwrite=overwrite,
-                                 failure_rate_per_hour=failure_rate_per_hour, max_recovery_s=max_recovery_s,
-                                 batch_memory_bytes=batch_memory_bytes, boundary=boundary, replica=replica,
-                                 replica_inflight_steps=replica_inflight_steps, tiers=tiers_from(shared_dir, tiers),
-                                 differentials=differentials)
+        self.config = config
         self._capture = StepCapture(optimizer, model, compressor if compressor is not None else Dense(),
                                     scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler)
         self.rank, self.world_size = distributed_rank()
-        if differentials is not True and self.world_size > 1:
+        if config.differentials is not True and self.world_size > 1:
             # Ranks would have to agree on every switch (and on every auto full_every) to keep sets complete.
-            raise ValueError(f"differentials={differentials!r} is not supported under torch.distributed yet")
-        auto = [name for name, value in (("full_every", full_every), ("batch_steps", batch_steps)) if value == "auto"]
+            raise ValueError(f"differentials={config.differentials!r} is not supported under torch.distributed yet")
+        auto = [name for name in ("full_every", "batch_steps") if getattr(config, name) == "auto"]
         if auto and self.world_size > 1:
             # Each rank's controller measures its own costs and would choose its own settings; the
             # shares of a checkpoint or batch form a set only when every rank cuts at the same steps.
             raise ValueError(f"{' and '.join(auto)}='auto' is not supported under torch.distributed yet: every rank "
                              f"must checkpoint at the same steps; give integers (python -m lowdiff tune suggests them)")
-        if replica:
+        if config.replica:
             check_replica_arguments(self._capture.compressor)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.distributed.partition).
@@ -122,9 +117,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._capture.record_only(partition.slots)
         # Replica mode (LowDiff+): a background replica persisted as full checkpoints; differentials
         # only for the steps since the newest persisted replica.
-        self._replica = Replica(self._capture, self._session.store, self.config, replica_inflight_steps,
-                                self._session.diffs, engine, partition=partition,
-                                layerwise=not is_ddp(model)) if replica else None
+        self._replica = ReplicaWorker(self._capture, self._session.store, config, config.replica_inflight_steps,
+                                      self._session.diffs, engine, partition=partition,
+                                      layerwise=not is_ddp(model)) if config.replica else None
         self.step_count = 0
         self._capture.capture_base_boundary()
         self._schedulers = loopchecks.SchedulerWatch(scheduler, extra_state or {})
@@ -207,8 +202,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         else:
             capture.check_untouched(self.step_count, session.force_full if replica is None else replica.force_resync)
         if self._pending is not None:
-            raise CheckpointError('wrap(boundary="manual"): call opt.boundary() after each opt.step() '
-                                  '(once the loop\'s work after the step is done) before the next opt.step()')
+            raise CheckpointError('wrap(options=lowdiff.Options(boundary="manual")): call opt.boundary() after each '
+                                  'opt.step() (once the loop\'s work after the step is done) before the next '
+                                  'opt.step()')
         self._schedulers.step_starting()
         loss = None
         if closure is not None:
@@ -255,13 +251,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         return loss
 
     def boundary(self) -> None:
-        """With ``wrap(boundary="manual")``: the iteration ends here. The step just taken is recorded
-        with the RNG, buffers, scheduler and ``extra_state`` as they are now, after the work the loop
-        did since ``opt.step()`` (validation, a ReduceLROnPlateau or EMA update, a scheduler stepped
-        by the loop). Call it once after every ``opt.step()``."""
+        """With ``wrap(options=lowdiff.Options(boundary="manual"))``: the iteration ends here. The
+        step just taken is recorded with the RNG, buffers, scheduler and ``extra_state`` as they are
+        now, after the work the loop did since ``opt.step()`` (validation, a ReduceLROnPlateau or EMA
+        update, a scheduler stepped by the loop). Call it once after every ``opt.step()``."""
         if self.config.boundary != "manual":
-            raise CheckpointError('boundary() is for wrap(boundary="manual"); by default the iteration '
-                                  'boundary is the end of opt.step()')
+            raise CheckpointError('boundary() is for wrap(options=lowdiff.Options(boundary="manual")); by default '
+                                  'the iteration boundary is the end of opt.step()')
         if self._pending is None:
             raise CheckpointError("boundary() without an opt.step() since the last boundary()")
         with Busy(self):
@@ -398,35 +394,26 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: str | os.PathLike[str], *,
-         compressor: Dense | TopK | None = None, full_every: int | Literal["auto"] = 100,
-         batch_steps: int | Literal["auto"] = 10, scheduler: Scheduler | None = None,
-         extra_state: dict[str, Stateful] | None = None, keep_full: int = 2,
-         grad_scaler: torch.amp.GradScaler | None = None, max_pending_batches: int = 2, overwrite: bool = False,
-         failure_rate_per_hour: float = 0.1, max_recovery_s: float | None = None,
-         batch_memory_bytes: int = 256 * 2**20, boundary: Literal["step", "manual"] = "step",
-         replica: bool = False, replica_inflight_steps: int = 2, engine: Engine | None = None,
-         shared_dir: str | os.PathLike[str] | None = None, tiers: Tiers | None = None,
-         differentials: bool | Literal["auto"] = True) -> LowDiffOptimizer:
+         compressor: Dense | TopK | None = None, full_every: int | Literal["auto"] | None = None,
+         batch_steps: int | Literal["auto"] | None = None, scheduler: Scheduler | None = None,
+         extra_state: dict[str, Stateful] | None = None, grad_scaler: torch.amp.GradScaler | None = None,
+         schedule: Schedule | None = None, retention: Policy | None = None, tiers: Tiers | None = None,
+         options: Options | None = None, **deprecated: Any) -> LowDiffOptimizer:
     """Wrap ``optimizer`` so every step is recorded under ``directory``. See LowDiffOptimizer.
-    ``full_every``/``batch_steps="auto"``: chosen by the controller (docs/controller.md) from costs
-    measured while training and ``failure_rate_per_hour``, within ``max_recovery_s`` (load + replay
-    at resume) and ``batch_memory_bytes`` (records not yet durable). ``boundary="manual"``: the
-    iteration boundary is ``opt.boundary()``, called by the loop after its work between steps.
-    ``replica=True`` (with ``compressor=lowdiff.Dense()``): LowDiff+ replica mode (lowdiff.persist.replica),
-    the replica persisted every ``full_every`` steps (or as soon as the previous write ended), at
-    most ``replica_inflight_steps`` captured steps waiting to be applied. ``shared_dir`` (or
-    ``tiers=lowdiff.tiers.Tiers(...)`` with retention policies and a lag bound): storage tiers —
-    ``directory`` is the fast local tier, and every committed file is copied to the shared one in
-    the background (lowdiff.tiers.drainer; ``close()`` waits until it is all there).
-    ``differentials``: True (default) records every step, so a crash loses at most about two
-    batches; False takes full checkpoints only (every ``full_every`` steps, and at ``flush()`` and
-    ``close()``), so a crash loses the steps since the last one; "auto" lets the controller switch
-    them off while the cost model says recording costs more than it saves, and on again — give it
-    only if losing up to ``full_every`` steps is acceptable (docs/controller.md)."""
-    return LowDiffOptimizer(optimizer, model, directory, compressor=compressor, full_every=full_every,
-                            batch_steps=batch_steps, scheduler=scheduler, extra_state=extra_state,
-                            keep_full=keep_full, grad_scaler=grad_scaler, max_pending_batches=max_pending_batches,
-                            overwrite=overwrite, failure_rate_per_hour=failure_rate_per_hour,
-                            max_recovery_s=max_recovery_s, batch_memory_bytes=batch_memory_bytes,
-                            boundary=boundary, replica=replica, replica_inflight_steps=replica_inflight_steps,
-                            engine=engine, shared_dir=shared_dir, tiers=tiers, differentials=differentials)
+
+    ``compressor``: ``lowdiff.Dense()`` (default) or ``lowdiff.TopK(ratio)``. When to checkpoint:
+    ``full_every``/``batch_steps`` (ints, or "auto": the controller chooses, docs/controller.md;
+    defaults 100 and 10), or ``schedule=lowdiff.Fixed(...)``, ``lowdiff.Auto(...)`` (failure rate,
+    recovery budget, batch memory, ``differentials`` True/False/"auto") or ``lowdiff.Replica(...)``
+    (LowDiff+ replica mode) — lowdiff.train.options. ``retention``: what the directory keeps
+    (``lowdiff.KeepLast(2)`` by default, ``KeepEvery``, ``KeepAll``). ``tiers=lowdiff.Tiers(shared_dir,
+    ...)``: ``directory`` is the fast local tier, and every committed file is copied to the shared
+    one in the background (lowdiff.tiers.drainer; ``close()`` waits until it is all there).
+    ``options=lowdiff.Options(boundary="manual", max_pending_batches=..., overwrite=...)``: the loop
+    and durability knobs. The keywords wrap had before these objects (``keep_full``, ``replica``,
+    ``differentials``, ...) still work, with a DeprecationWarning naming the new spelling."""
+    given: dict[str, Any] = {"full_every": full_every, "batch_steps": batch_steps, "schedule": schedule,
+                             "retention": retention, "tiers": tiers, "options": options}
+    engine = translate_deprecated(deprecated, given, stacklevel=2) if deprecated else None
+    return LowDiffOptimizer(optimizer, model, directory, wrap_config(**given), compressor=compressor,
+                            scheduler=scheduler, extra_state=extra_state, grad_scaler=grad_scaler, engine=engine)

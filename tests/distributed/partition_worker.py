@@ -182,9 +182,10 @@ def main():
     if args.travel:
         time_travel(args, model, ddp, opt, sched, sampler)
         return
-    opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), full_every=args.full_every,
-                       batch_steps=args.batch_steps, scheduler=sched, extra_state={"sampler": sampler},
-                       replica=args.replica)
+    when = {"schedule": lowdiff.Replica(full_every=args.full_every, batch_steps=args.batch_steps)} if args.replica \
+        else {"full_every": args.full_every, "batch_steps": args.batch_steps}
+    opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), scheduler=sched,
+                       extra_state={"sampler": sampler}, **when)
     start = recovery.resume(args.dir, ddp, opt, step=args.resume_step)
     with open(args.digests, "a") as out:
         out.write(f"resumed {start} {state_digest(model, opt, sched, sampler)} {shared_digest(model, opt)}\n")

@@ -28,7 +28,9 @@ def build():
 
 
 def wrap(directory, model, opt, sched, sampler, **options):
-    options = {"full_every": FULL_EVERY, "batch_steps": BATCH_STEPS, "keep_full": KEEP_FULL, **options}
+    if "schedule" not in options:
+        options = {"full_every": FULL_EVERY, "batch_steps": BATCH_STEPS, **options}
+    options = {"retention": lowdiff.KeepLast(KEEP_FULL), **options}
     return lowdiff.wrap(opt, model, directory, compressor=lowdiff.TopK(ratio=0.1, min_numel=256),
                         scheduler=sched, extra_state={"sampler": sampler}, **options)
 

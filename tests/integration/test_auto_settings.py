@@ -14,8 +14,7 @@ def run(directory, steps, *, resume):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, directory,
-                       compressor=lowdiff.Dense(), full_every="auto", batch_steps="auto",
-                       failure_rate_per_hour=3600.0)
+                       compressor=lowdiff.Dense(), schedule=lowdiff.Auto(failure_rate_per_hour=3600.0))
     start = recovery.resume(directory, model, opt) if resume else 0
     for step in range(start, steps):
         g = torch.Generator().manual_seed(step)
@@ -49,7 +48,7 @@ def test_settings_changing_mid_run_keep_every_chain_replayable(tmp_path, rng):
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
     opt = wrap(str(directory), model, opt, sched, sampler, full_every="auto", batch_steps="auto",
-               keep_full=100)
+               retention=lowdiff.KeepLast(100))
     digests = {0: state_digest(model, opt, sched, sampler)}
     changes = []
 
@@ -80,7 +79,7 @@ def test_batch_steps_shrinking_below_the_records_held_does_not_stall_training(tm
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
     opt = wrap(str(directory), model, opt, sched, sampler, full_every=100, batch_steps=5,
-               max_pending_batches=1)
+               options=lowdiff.Options(max_pending_batches=1))
 
     def shrink(step):
         if step == 4:

@@ -37,7 +37,8 @@ def validate(model, how):
 def train(directory, validation, *, steps=9, every=3, boundary="step", dropout=0.0, resume=False):
     """Each step's data from a generator of the loop's own (as a DataLoader with generator= gives it)."""
     model, opt = make(dropout)
-    opt = lowdiff.wrap(opt, model, directory, full_every=4, batch_steps=2, boundary=boundary)
+    opt = lowdiff.wrap(opt, model, directory, full_every=4, batch_steps=2,
+                       options=lowdiff.Options(boundary=boundary))
     step = recovery.resume(directory, model, opt) if resume else 0
     while step < steps:
         model(torch.randn(3, 4, generator=torch.Generator().manual_seed(100 + step))).sum().backward()

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 
-from lowdiff_helpers import build, train_steps, wrap
+from lowdiff_helpers import BATCH_STEPS, FULL_EVERY, build, train_steps, wrap
 
+import lowdiff
 import recovery
 from lowdiff.cli.demo import state_digest
 
@@ -30,9 +31,9 @@ def trainer(directory: str, settings: str, digests: str, pause_at: str = "0") ->
     writer threads go on) until the test kills it: the runs go side by side, and one must not race
     past its kill step, or finish, while the test is still reading the other's lines."""
     model, opt, sched, sampler = build()
-    options = {"auto": {"full_every": "auto", "batch_steps": "auto", "differentials": "auto",
-                        "failure_rate_per_hour": 3.6e5},
-               "off": {"differentials": False}, "fixed": {}}[settings]
+    options = {"auto": {"schedule": lowdiff.Auto(differentials="auto", failure_rate_per_hour=3.6e5)},
+               "off": {"schedule": lowdiff.Fixed(full_every=FULL_EVERY, batch_steps=BATCH_STEPS, differentials=False)},
+               "fixed": {}}[settings]
     opt = wrap(directory, model, opt, sched, sampler, **options)
     start = recovery.resume(directory, model, opt)
     with open(digests, "a") as out:

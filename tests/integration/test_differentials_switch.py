@@ -5,8 +5,9 @@ measurements are kept in CONTROLLER.json for the next session."""
 import json
 
 import pytest
-from lowdiff_helpers import build, reference_digests, train_steps, wrap
+from lowdiff_helpers import BATCH_STEPS, FULL_EVERY, build, reference_digests, train_steps, wrap
 
+import lowdiff
 import recovery
 from lowdiff.errors import NoCheckpointError
 
@@ -28,7 +29,8 @@ def test_switching_differentials_off_and_on_keeps_training_and_resume_exact(tmp_
     reference = reference_digests(STEPS)
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler, differentials="auto", keep_full=100)
+    opt = wrap(str(directory), model, opt, sched, sampler, retention=lowdiff.KeepLast(100),
+               schedule=lowdiff.Auto(full_every=FULL_EVERY, batch_steps=BATCH_STEPS, differentials="auto"))
     modes, durable = {}, set()
 
     def flip(step):
@@ -61,7 +63,8 @@ def test_full_only_flush_and_close_make_the_newest_step_durable(tmp_path):
     reference = reference_digests(13)
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler, differentials=False, full_every=5)
+    opt = wrap(str(directory), model, opt, sched, sampler,
+               schedule=lowdiff.Fixed(full_every=5, batch_steps=BATCH_STEPS, differentials=False))
     train_steps(model, opt, sched, sampler, 0, 7)
     assert opt.durable_step < 7 and not opt.stats()["differentials"]
     opt.flush()
@@ -80,8 +83,8 @@ def test_a_new_session_starts_from_the_last_ones_measurements(tmp_path):
     kept, and its resume (load, replay, restart) is measured."""
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler, full_every="auto", batch_steps="auto",
-               differentials="auto", failure_rate_per_hour=3.6e4)
+    opt = wrap(str(directory), model, opt, sched, sampler,
+               schedule=lowdiff.Auto(differentials="auto", failure_rate_per_hour=3.6e4))
     recovery.resume(str(directory), model, opt)
     train_steps(model, opt, sched, sampler, 0, 20)
     opt.close()
@@ -89,8 +92,8 @@ def test_a_new_session_starts_from_the_last_ones_measurements(tmp_path):
     assert kept["samples"]["restart_s"] and kept["samples"]["persist_s"]
 
     model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler, full_every="auto", batch_steps="auto",
-               differentials="auto", failure_rate_per_hour=3.6e4)
+    opt = wrap(str(directory), model, opt, sched, sampler,
+               schedule=lowdiff.Auto(differentials="auto", failure_rate_per_hour=3.6e4))
     try:
         first = opt.controller.history[0]
         assert "earlier sessions" in first.reason
@@ -116,8 +119,8 @@ def test_probes_of_what_recording_costs_keep_every_durable_step_exact(tmp_path, 
     reference = reference_digests(steps)
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler, differentials="auto", full_every=PROBE_MIN_FULL_EVERY,
-               batch_steps=4, keep_full=100)
+    opt = wrap(str(directory), model, opt, sched, sampler, retention=lowdiff.KeepLast(100),
+               schedule=lowdiff.Auto(full_every=PROBE_MIN_FULL_EVERY, batch_steps=4, differentials="auto"))
     modes, wanted, durable = {}, {}, set()
 
     def note(step):

@@ -62,7 +62,7 @@ def test_work_after_the_step_resumes_exactly_with_a_manual_boundary(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
         opt = lowdiff.wrap(opt, model, directory, full_every=4, batch_steps=2, extra_state={"plateau": plateau},
-                           boundary="manual")
+                           options=lowdiff.Options(boundary="manual"))
         step = recovery.resume(directory, model, opt)
         while step < stop:
             model(torch.randn(3, 4)).sum().backward()
@@ -97,7 +97,7 @@ def test_the_same_loop_without_the_boundary_diverges_and_is_named(tmp_path):
 
 def test_manual_boundary_misuse_is_refused_before_anything_changes(tmp_path):
     model, opt = model_and_opt()
-    wrapped = lowdiff.wrap(opt, model, tmp_path / "ckpt", boundary="manual")
+    wrapped = lowdiff.wrap(opt, model, tmp_path / "ckpt", options=lowdiff.Options(boundary="manual"))
     with pytest.raises(lowdiff.CheckpointError, match="without an opt.step"):
         wrapped.boundary()
     train(wrapped, model, 1)
@@ -113,7 +113,7 @@ def test_manual_boundary_misuse_is_refused_before_anything_changes(tmp_path):
         with pytest.raises(lowdiff.CheckpointError, match="boundary=\"manual\""):
             plain.boundary()
     with pytest.raises(ValueError, match="boundary='later'"):
-        lowdiff.wrap(plain_opt, plain_model, tmp_path / "third", boundary="later")
+        lowdiff.wrap(plain_opt, plain_model, tmp_path / "third", options=lowdiff.Options(boundary="later"))
 
 
 def test_a_scheduler_lowdiff_was_not_given_is_named(tmp_path):

@@ -19,10 +19,11 @@ from lowdiff.store.manifest import read_manifest
 HANG_GUARD_S = 60   # only against hangs; nothing is timed
 
 
-def wrap_replica(directory, model, opt, sched, sampler, **options):
-    options = {"full_every": 3, "keep_full": 3, **options}
+def wrap_replica(directory, model, opt, sched, sampler, keep=3, **replica):
+    replica = {"full_every": 3, **replica}
     return lowdiff.wrap(opt, model, directory, compressor=lowdiff.Dense(), scheduler=sched,
-                        extra_state={"sampler": sampler}, replica=True, **options)
+                        extra_state={"sampler": sampler}, schedule=lowdiff.Replica(**replica),
+                        retention=lowdiff.KeepLast(keep))
 
 
 def iteration(model, sampler, micro_batches=1, clip=False):
@@ -108,7 +109,7 @@ def test_resume_from_replica_checkpoint_is_exact(tmp_path):
     uninterrupted run's states. After close() the newest step is a replica: nothing to replay."""
     directory = tmp_path / "ckpt"
     model, opt, sched, sampler = build()
-    opt = wrap_replica(directory, model, opt, sched, sampler, full_every=4, keep_full=6)
+    opt = wrap_replica(directory, model, opt, sched, sampler, full_every=4, keep=6)
     digests: dict = {}
     train(opt, model, sampler, 14, digests=digests, sched=sched)
     opt.flush()
@@ -118,7 +119,7 @@ def test_resume_from_replica_checkpoint_is_exact(tmp_path):
 
     for step in (14, 20):
         model2, opt2, sched2, sampler2 = build()
-        opt2 = wrap_replica(directory, model2, opt2, sched2, sampler2, full_every=4, keep_full=6)
+        opt2 = wrap_replica(directory, model2, opt2, sched2, sampler2, full_every=4, keep=6)
         resumed = recovery.resume(directory, model2, opt2, step=step)
         assert resumed == step
         if step == 20:
@@ -186,7 +187,7 @@ def test_backpressure_bounds_steps_in_flight(tmp_path, monkeypatch):
 
     monkeypatch.setattr(replica_module, "apply_record", gated_apply)
     model, opt, sched, sampler = build()
-    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler, replica_inflight_steps=3)
+    opt = wrap_replica(tmp_path / "ckpt", model, opt, sched, sampler, inflight_steps=3)
     done_steps = []
 
     def run():
@@ -246,10 +247,11 @@ def test_worker_error_surfaces_at_next_step(tmp_path, monkeypatch):
 def test_replica_needs_dense_and_fixed_full_every(tmp_path):
     model, opt, sched, _ = build()
     with pytest.raises(ValueError, match="Dense"):
-        lowdiff.wrap(opt, model, tmp_path / "a", compressor=lowdiff.TopK(0.1), scheduler=sched, replica=True)
+        lowdiff.wrap(opt, model, tmp_path / "a", compressor=lowdiff.TopK(0.1), scheduler=sched,
+                     schedule=lowdiff.Replica())
     with pytest.raises(ValueError, match="full_every"):
-        lowdiff.wrap(opt, model, tmp_path / "b", compressor=lowdiff.Dense(), scheduler=sched, full_every="auto",
-                     replica=True)
+        lowdiff.wrap(opt, model, tmp_path / "b", compressor=lowdiff.Dense(), scheduler=sched,
+                     schedule=lowdiff.Replica(full_every="auto"))
 
 
 def test_outside_change_resyncs_the_replica(tmp_path):

@@ -58,9 +58,9 @@ def test_a_stale_manifest_never_deletes_newer_files(tmp_path, reference, caplog,
     """Train to 20, keep the manifest, resume and train to 37, put the step-20 manifest back (a
     restore from a backup): nothing is deleted, verify passes, resume lands on 37 exactly."""
     ckpt = str(tmp_path / "ckpt")
-    train(ckpt, 0, 20, keep_full=keep_full)
+    train(ckpt, 0, 20, retention=lowdiff.KeepLast(keep_full))
     stale = Path(ckpt, MANIFEST_NAME).read_bytes()
-    train(ckpt, 20, 37, keep_full=keep_full)
+    train(ckpt, 20, 37, retention=lowdiff.KeepLast(keep_full))
     files_at_37 = checkpoint_files(ckpt)
     with open(os.path.join(ckpt, MANIFEST_NAME), "wb") as f:
         f.write(stale)
@@ -74,7 +74,7 @@ def test_a_stale_manifest_never_deletes_newer_files(tmp_path, reference, caplog,
     assert checkpoint_files(ckpt) == files_at_37
 
     model, opt, sched, sampler = build()
-    opt = wrap(ckpt, model, opt, sched, sampler, keep_full=keep_full)
+    opt = wrap(ckpt, model, opt, sched, sampler, retention=lowdiff.KeepLast(keep_full))
     try:
         assert recovery.resume(ckpt, model, opt) == 37
         assert state_digest(model, opt, sched, sampler) == reference[37]
@@ -214,7 +214,7 @@ def tiny_tmpfs(tmp_path):
 def test_a_write_error_is_sticky_and_never_looks_like_a_change_outside_step(tiny_tmpfs, tmp_path, reference):
     ckpt = os.path.join(tiny_tmpfs, "ckpt")
     model, opt, sched, sampler = build()
-    opt = wrap(ckpt, model, opt, sched, sampler, full_every=1, keep_full=1000)
+    opt = wrap(ckpt, model, opt, sched, sampler, full_every=1, retention=lowdiff.KeepLast(1000))
     recovery.resume(ckpt, model, opt)
     failure = None
     with warnings.catch_warnings(record=True) as caught:
@@ -291,7 +291,7 @@ def test_verify_of_a_directory_without_a_checkpoint_fails(tmp_path, capsys):
 
 def test_export_of_a_step_that_is_not_retained_lists_what_is(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    train(ckpt, 0, 23, keep_full=2)      # fulls 12 and 18 kept
+    train(ckpt, 0, 23, retention=lowdiff.KeepLast(2))      # fulls 12 and 18 kept
     with pytest.raises(lowdiff.NoCheckpointError, match=r"step 5 is not retained; retained steps: 12\.\.23 "
                                                         r"\(full checkpoints at steps 12, 18\)"):
         recovery.export(ckpt, str(tmp_path / "out.pt"), step=5)

@@ -25,7 +25,8 @@ def run(directory, stop: int = TOTAL):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     opt = lowdiff.wrap(opt, model, directory, compressor=lowdiff.TopK(0.3, min_numel=16), full_every=6,
-                       batch_steps=2, extra_state={"scheduler": sched, "ema": ema}, boundary="manual")
+                       batch_steps=2, extra_state={"scheduler": sched, "ema": ema},
+                       options=lowdiff.Options(boundary="manual"))
     step = recovery.resume(directory, model, opt)
     while step < stop:
         g = torch.Generator().manual_seed(step)

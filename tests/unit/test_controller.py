@@ -138,7 +138,7 @@ def test_max_recovery_bound_is_passed_to_the_model():
     assert controller.current.worst_recovery_s <= 2.0
 
 
-@pytest.mark.parametrize("field,value", [("full_every", 0), ("batch_steps", "never"), ("keep_full", 0),
+@pytest.mark.parametrize("field,value", [("full_every", 0), ("batch_steps", "never"), ("max_pending_batches", 0),
                                          ("failure_rate_per_hour", 0.0), ("full_every", True),
                                          ("max_recovery_s", -1.0), ("batch_memory_bytes", 0)])
 def test_config_rejects_bad_values_naming_the_field(field, value):

@@ -29,6 +29,7 @@ from lowdiff.store.manifest import (
     read_manifest,
     write_manifest,
 )
+from lowdiff.store.retention import KeepLast
 
 
 def full(step, session="aaaaaaaa"):
@@ -158,7 +159,7 @@ class Simulation:
     some time later (the next one is taken only after it is committed)."""
 
     def __init__(self, directory, keep_full):
-        self.store = CheckpointStore(directory, keep_full)
+        self.store = CheckpointStore(directory, KeepLast(keep_full))
         self.directory = self.store.directory
         self.step = 0
         self.batch_start = 1
@@ -196,7 +197,7 @@ class Simulation:
         on_disk = {n for n in os.listdir(self.directory) if n.endswith((".ldf", ".ldd"))}
         listed = {f.file for f in m.fulls} | {b.file for b in m.batches}
         assert listed == on_disk, "exactly the listed files exist"
-        assert len(m.fulls) <= self.store.keep_full
+        assert len(m.fulls) <= self.store.policy.n
         if not m.fulls:
             return
         # every kept full checkpoint (in particular the newest) still reaches the newest step
@@ -258,7 +259,7 @@ def test_a_resumed_session_drops_the_abandoned_timeline(tmp_path):
     old_files = {b.file for b in first.store.manifest.batches}
 
     # a new session resumed at step 6 (say, records 7.. did not verify) and commits its base full
-    store = CheckpointStore(str(tmp_path), keep_full=3)
+    store = CheckpointStore(str(tmp_path), KeepLast(3))
     try:
         assert store.manifest == first.store.manifest
         path = store.full_path(6)

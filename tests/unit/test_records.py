@@ -387,9 +387,10 @@ def test_topk_rejects_bad_ratio(bad):
 # ------------------------------------------------------------------ public names
 def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
-        "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
-        "DirectoryBusyError", "ForeignFileError", "IncompatibleCheckpointError", "LowDiffOptimizer",
-        "NoCheckpointError", "ResumableLoader", "TopK", "VersionMismatchError", "init_process_group", "wrap"]
+        "Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
+        "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll", "KeepEvery",
+        "KeepLast", "LowDiffOptimizer", "NoCheckpointError", "Options", "Replica", "ResumableLoader", "Tiers", "TopK",
+        "VersionMismatchError", "init_process_group", "wrap"]
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
