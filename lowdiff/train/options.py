@@ -47,8 +47,37 @@ def _check_counts(owner: object, *names: str, auto: bool = False) -> None:
             raise _refuse(owner, name, value, "an int >= 1" + (" or 'auto'" if auto else ""))
 
 
-@dataclasses.dataclass(frozen=True)
-class Fixed:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Judged:
+    """What the controller judges a schedule by (keywords of every schedule): the failure rate,
+    the recovery budget ``max_recovery_s`` (load + replay at resume; None: no bound) and
+    ``batch_memory_bytes`` (records held before they are durable). ``Auto``'s choices respect
+    them; for fixed settings, ``opt.stats()`` reports the expected waste at that failure rate and
+    names a bound the settings break."""
+
+    failure_rate_per_hour: float = 0.1
+    max_recovery_s: float | None = None
+    batch_memory_bytes: int = 256 * 2**20
+
+    def __repr__(self) -> str:
+        """How a user writes it: the schedule's own fields, then the judged ones not at their default
+        (the deprecation warnings quote it as the new spelling)."""
+        judged = {f.name for f in dataclasses.fields(_Judged)}
+        own = [f for f in dataclasses.fields(self) if f.name not in judged]
+        shown = own + [f for f in dataclasses.fields(self) if f.name in judged and getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
+    def _check_judged(self) -> None:
+        if not _is_number(self.failure_rate_per_hour) or not self.failure_rate_per_hour > 0:
+            raise _refuse(self, "failure_rate_per_hour", self.failure_rate_per_hour, "a number > 0")
+        if self.max_recovery_s is not None and (not _is_number(self.max_recovery_s) or not self.max_recovery_s > 0):
+            raise _refuse(self, "max_recovery_s", self.max_recovery_s, "a number > 0 or None")
+        if not _is_count(self.batch_memory_bytes):
+            raise _refuse(self, "batch_memory_bytes", self.batch_memory_bytes, "an int > 0")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Fixed(_Judged):
     """A fixed schedule: a full checkpoint every ``full_every`` steps, differentials written in
     batches of ``batch_steps`` steps. ``differentials=False``: full checkpoints only (and one at
     ``flush()`` and ``close()``); a crash loses the steps since the last one."""
@@ -59,13 +88,14 @@ class Fixed:
 
     def __post_init__(self):
         _check_counts(self, "full_every", "batch_steps")
+        self._check_judged()
         if not isinstance(self.differentials, bool):
             raise _refuse(self, "differentials", self.differentials,
                           "True or False (lowdiff.Auto(differentials='auto') lets the controller choose)")
 
 
-@dataclasses.dataclass(frozen=True)
-class Auto:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Auto(_Judged):
     """An automatic schedule (docs/controller.md): the controller chooses each field given as
     "auto" from costs measured while training, for ``failure_rate_per_hour``, within
     ``max_recovery_s`` (load + replay at resume; None: no bound) and ``batch_memory_bytes``
@@ -77,9 +107,6 @@ class Auto:
     full_every: int | Literal["auto"] = "auto"
     batch_steps: int | Literal["auto"] = "auto"
     differentials: bool | Literal["auto"] = True
-    failure_rate_per_hour: float = 0.1
-    max_recovery_s: float | None = None
-    batch_memory_bytes: int = 256 * 2**20
 
     def __post_init__(self):
         _check_counts(self, "full_every", "batch_steps", auto=True)
@@ -89,16 +116,11 @@ class Auto:
             raise ValueError(f"Auto(full_every={self.full_every!r}, batch_steps={self.batch_steps!r}, "
                              f"differentials={self.differentials!r}) chooses nothing: give 'auto' for one of "
                              f"them, or use lowdiff.Fixed(...)")
-        if not _is_number(self.failure_rate_per_hour) or not self.failure_rate_per_hour > 0:
-            raise _refuse(self, "failure_rate_per_hour", self.failure_rate_per_hour, "a number > 0")
-        if self.max_recovery_s is not None and (not _is_number(self.max_recovery_s) or not self.max_recovery_s > 0):
-            raise _refuse(self, "max_recovery_s", self.max_recovery_s, "a number > 0 or None")
-        if not _is_count(self.batch_memory_bytes):
-            raise _refuse(self, "batch_memory_bytes", self.batch_memory_bytes, "an int > 0")
+        self._check_judged()
 
 
-@dataclasses.dataclass(frozen=True)
-class Replica:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Replica(_Judged):
     """Replica mode (LowDiff+, lowdiff.persist.replica): a CPU replica applies every step in the
     background and is persisted as a full checkpoint every ``full_every`` steps (or as soon as the
     previous write ended; 1: as often as the disk allows); differentials, in batches of
@@ -115,6 +137,7 @@ class Replica:
             raise ValueError("Replica(full_every='auto'): full_every='auto' is not supported in replica mode: give "
                              "how many steps apart the replica is persisted (1: as often as the disk allows)")
         _check_counts(self, "full_every", "batch_steps", "inflight_steps")
+        self._check_judged()
 
 
 Schedule = Fixed | Auto | Replica
@@ -173,9 +196,8 @@ def wrap_config(full_every: int | str | None, batch_steps: int | str | None, sch
         fields.update(replica=True, replica_inflight_steps=schedule.inflight_steps)
     else:
         fields["differentials"] = schedule.differentials
-    if isinstance(schedule, Auto):
-        fields.update(failure_rate_per_hour=schedule.failure_rate_per_hour, max_recovery_s=schedule.max_recovery_s,
-                      batch_memory_bytes=schedule.batch_memory_bytes)
+    fields.update(failure_rate_per_hour=schedule.failure_rate_per_hour, max_recovery_s=schedule.max_recovery_s,
+                  batch_memory_bytes=schedule.batch_memory_bytes)
     return WrapConfig(**fields, retention=KeepLast(2) if retention is None else retention, tiers=tiers,
                       boundary=options.boundary, max_pending_batches=options.max_pending_batches,
                       overwrite=options.overwrite)
@@ -247,9 +269,7 @@ def translate_deprecated(old: dict[str, Any], new: dict[str, Any], stacklevel: i
         schedule = _old_schedule(new.pop("full_every"), new.pop("batch_steps"), given)
         new.update(schedule=schedule, full_every=None, batch_steps=None)
         for name in given:
-            unused = name in _LIMITS and not isinstance(schedule, Auto)
-            warn(name, f"schedule=lowdiff.{schedule!r}" +
-                 (f" ({name} steers only the choices of an automatic schedule, lowdiff.Auto)" if unused else ""))
+            warn(name, f"schedule=lowdiff.{schedule!r}")
     return engine
 
 
@@ -258,13 +278,13 @@ def _old_schedule(full_every: Any, batch_steps: Any, old: dict[str, Any]) -> Sch
     full = DEFAULT_FULL_EVERY if full_every is None else full_every
     batch = DEFAULT_BATCH_STEPS if batch_steps is None else batch_steps
     differentials = old.get("differentials", True)
+    limits = {name: old[name] for name in _LIMITS if name in old}
     if old.get("replica", False):
         if differentials is not True:
             raise ValueError(f"differentials={differentials!r} is not supported with replica=True (replica mode "
                              f"writes the differentials a persisted replica does not cover, and only those)")
-        return Replica(full_every=full, batch_steps=batch, inflight_steps=old.get("replica_inflight_steps", 2))
+        return Replica(full_every=full, batch_steps=batch, inflight_steps=old.get("replica_inflight_steps", 2),
+                       **limits)
     if "auto" in (full, batch, differentials):
-        limits = {name: old[name] for name in _LIMITS if name in old}
         return Auto(full_every=full, batch_steps=batch, differentials=differentials, **limits)
-    return Fixed(full_every=full, batch_steps=batch, differentials=differentials)
-
+    return Fixed(full_every=full, batch_steps=batch, differentials=differentials, **limits)

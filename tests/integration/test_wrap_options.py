@@ -32,6 +32,11 @@ CASES = {
                       {"schedule": lowdiff.Fixed(full_every=5, differentials=False)}),
     "failure_rate_per_hour": ({"full_every": "auto", "failure_rate_per_hour": 2.0}, "schedule=lowdiff.Auto(",
                               {"schedule": lowdiff.Auto(batch_steps=10, failure_rate_per_hour=2.0)}),
+    # Fixed settings keep the limits too: stats() judges them by the failure rate and the bounds.
+    "limits-fixed": ({"failure_rate_per_hour": 2.0, "max_recovery_s": 30.0},
+                     "schedule=lowdiff.Fixed(full_every=100, batch_steps=10, differentials=True, "
+                     "failure_rate_per_hour=2.0, max_recovery_s=30.0)",
+                     {"schedule": lowdiff.Fixed(failure_rate_per_hour=2.0, max_recovery_s=30.0)}),
     "max_recovery_s": ({"batch_steps": "auto", "max_recovery_s": 30.0}, "max_recovery_s=30.0",
                        {"schedule": lowdiff.Auto(full_every=100, max_recovery_s=30.0)}),
     "batch_memory_bytes": ({"batch_steps": "auto", "batch_memory_bytes": 2**20}, "batch_memory_bytes=1048576",
