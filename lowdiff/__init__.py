@@ -1,15 +1,16 @@
 """lowdiff: per-iteration checkpointing for PyTorch with exact resume."""
 from lowdiff.distributed.ddp import init_process_group
 from lowdiff.errors import (
-           CheckpointError,
-           CheckpointFileError,
-           CheckpointLockedError,
-           CorruptCheckpointError,
-           DirectoryBusyError,
-           ForeignFileError,
-           IncompatibleCheckpointError,
-           NoCheckpointError,
-           VersionMismatchError,
+    CheckpointError,
+    CheckpointFileError,
+    CheckpointLockedError,
+    CorruptCheckpointError,
+    DirectoryBusyError,
+    ForeignFileError,
+    IncompatibleCheckpointError,
+    MissingRankDirectoryError,
+    NoCheckpointError,
+    VersionMismatchError,
 )
 from lowdiff.step.compress import Dense, TopK
 from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast
@@ -19,6 +20,7 @@ from lowdiff.train.options import Auto, Fixed, Options, Replica
 from lowdiff.train.wrapper import LowDiffOptimizer, wrap
 
 __all__ = ["Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError",
-           "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll",
-           "KeepEvery", "KeepLast", "LowDiffOptimizer", "NoCheckpointError", "Options", "Replica", "ResumableLoader",
-           "Tiers", "TopK", "VersionMismatchError", "init_process_group", "wrap"]
+           "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError",
+           "KeepAll", "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingRankDirectoryError",
+           "NoCheckpointError", "Options", "Replica", "ResumableLoader", "Tiers", "TopK",
+           "VersionMismatchError", "init_process_group", "wrap"]

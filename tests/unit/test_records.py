@@ -387,10 +387,11 @@ def test_topk_rejects_bad_ratio(bad):
 # ------------------------------------------------------------------ public names
 def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
-        "Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError", "Dense",
-        "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll", "KeepEvery",
-        "KeepLast", "LowDiffOptimizer", "NoCheckpointError", "Options", "Replica", "ResumableLoader", "Tiers", "TopK",
-        "VersionMismatchError", "init_process_group", "wrap"]
+        "Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError",
+        "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll",
+        "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingRankDirectoryError", "NoCheckpointError",
+        "Options", "Replica", "ResumableLoader", "Tiers", "TopK", "VersionMismatchError",
+        "init_process_group", "wrap"]
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
