@@ -16,9 +16,11 @@ from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
 from lowdiff.tiers.marker import read_marker
+from recovery.execute import Restored
 from recovery.partitioned.plan import plan_sets
 from recovery.partitioned.restore import restore_partitioned
-from recovery.restore import Restored, checkpoint_directory, restore, warn
+from recovery.plan import checkpoint_directory, warn
+from recovery.restore import restore
 
 log = logging.getLogger("lowdiff")
 TIERS = ("local", "shared")
