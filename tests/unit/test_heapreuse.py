@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 CHILD = r"""
 import ctypes, json, resource, sys
 import torch
-from lowdiff import heapreuse
+from recovery import heapreuse
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
