@@ -23,7 +23,7 @@ from lowdiff.errors import CorruptCheckpointError, NoCheckpointError, VersionMis
 from lowdiff.format.schema import FullIndex
 from lowdiff.format.sharefile import read_diff_share_index
 from recovery.execute import Restored, execute
-from recovery.partitioned.chain import MergedShares, ShareFiles
+from recovery.partitioned.chain import MergedShares, ShareFiles, chain_reach
 from recovery.partitioned.load import full_index, load_set
 from recovery.partitioned.plan import FullSet, broadcast_plan
 from recovery.plan import Candidate, Loaded, Plan, warn
@@ -141,9 +141,10 @@ def plan_partitioned(root: str, *, check_full, stop_step: int | None = None) -> 
     """The frozen plan of the partitioned directory ``root`` (at or before ``stop_step``), the same
     on every rank (see the module doc). Refuses, before any live object changes: rank directories
     that the sets need and that are absent, a ``stop_step`` no complete set reaches by the
-    manifests, and one that the first set to verify (the one a resume would take) does not reach.
-    Such a set is read for that into memory of its own (a collective), not into the caller's
-    tensors; one that does not verify is skipped, as the executor would."""
+    manifests, and one that the first set to verify (the one a resume would take) does not reach
+    by the manifests or by its differential files' indexes (exchanged as the replay does; no record
+    is read). Such a set is read for that into memory of its own (a collective), not into the
+    caller's tensors; one that does not verify is skipped, as the executor would."""
     rank, world = _process_group()
     found = broadcast_plan(root, stop_step, world)
     if found.missing:   # (on every rank alike: the plan is rank 0's)
@@ -152,11 +153,18 @@ def plan_partitioned(root: str, *, check_full, stop_step: int | None = None) -> 
         raise NoCheckpointError(f"{root}: step {stop_step} is not retained; {found.retained}")
     candidates = [Candidate(fset.step, fset, fset.reach) for fset in found.sets]
     skipped: list = []
-    while stop_step is not None and candidates and candidates[0].reach < stop_step:
-        fset = candidates.pop(0).source
+    while stop_step is not None and candidates:
+        fset = candidates[0].source
+        notes: list = []
+        reach = fset.reach if fset.reach < stop_step else \
+            chain_reach(_exchange_indexes(root, fset, rank, world), fset.step, notes.append)
+        if reach >= stop_step:
+            break
+        candidates.pop(0)
         if load_set(fset, rank, world, check_full, None) is not None:
-            raise NoCheckpointError(f"{root}: step {stop_step} cannot be rebuilt; the newest reachable is "
-                                    f"{fset.reach}")
+            for note in notes:   # why the files end early (the replay would have said it)
+                warn(note)
+            raise NoCheckpointError(f"{root}: step {stop_step} cannot be rebuilt; the newest reachable is {reach}")
         skipped.append(_skipped(fset))
     return Plan("partitioned", root, stop_step, tuple(candidates), found.newest, tuple(skipped))
 
