@@ -9,7 +9,8 @@ import torch
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
 from recovery.partitioned.restore import restore_partitioned
-from recovery.restore import checkpoint_directory, restore
+from recovery.plan import checkpoint_directory
+from recovery.restore import restore
 
 
 def _optimizer_class(path: str):

@@ -1,144 +1,111 @@
-"""Finding the newest state that verifies and rebuilding it: a frozen recovery plan first, then
-its execution. Shared by ``resume`` (into live objects) and ``export`` (into fresh ones).
+"""The single-directory layout: its frozen plan (``plan_directory``) and how ``recovery.execute``
+reads its files (``DirectoryLayout``). Shared by ``resume`` (into live objects) and ``export``
+(into fresh ones).
 
-``plan_recovery`` touches no live object: it reconciles the manifest with the directory, picks the
-newest full checkpoint at or before the target that verifies and is what its entry says, lets the
-caller check that it fits the caller's objects, and opens every batch file of its chain (an open
-file survives a live trainer's retention). ``execute`` then loads it into the caller's objects and
-replays the chain.
+Planning touches no live object: it reconciles the manifest with the directory, refuses a target
+step the manifest does not retain, lists the full checkpoints at or before the target newest first
+(the fallback order), and for the first whose header is what its entry says and fits the caller's
+objects (``check_full``, on the state's outline) opens every batch file of its chain (an open file
+survives a live trainer's retention) and checks that the chain reaches the target. Executing reads
+the full checkpoint's payload straight into the caller's tensors, every checksum checked, and
+replays the chain; a payload that fails to verify makes the executor prepare the next candidate
+the same way.
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
-import time
 
+import torch
+
+import fastio
 from lowdiff.errors import CorruptCheckpointError, DirectoryBusyError, NoCheckpointError, VersionMismatchError
+from lowdiff.format import container, tree
 from lowdiff.format.batchfile import BatchReader
 from lowdiff.format.fullckpt import load_full
-from lowdiff.format.records import StepRecord
-from lowdiff.format.schema import FullIndex, FullState, StepState
+from lowdiff.format.records import dtype_from_name
+from lowdiff.format.schema import FullIndex, FullState
 from lowdiff.store.inventory import check_entry, take_inventory
-from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, FullEntry, chain_end, describe_retained, plan_chain
-from recovery.replay import ReplayTimes, replay
+from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, chain_end, describe_retained, plan_chain
+from recovery.execute import Restored, execute
+from recovery.plan import Candidate, Loaded, Plan, checkpoint_directory, warn
+from recovery.replay import replay
 
-log = logging.getLogger("lowdiff")
+__all__ = ["DirectoryLayout", "Restored", "checkpoint_directory", "execute_directory", "plan_directory",
+           "planned_step", "restore", "warn"]
+
 _ATTEMPTS = 5   # re-reads of the directory when a live trainer's retention moved a file away
-
-
-def warn(message: str) -> None:
-    log.warning(message)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecoveryPlan:
-    """What recovery will do, decided before any live object changes."""
-
-    directory: str
-    full: FullEntry            # the full checkpoint to start from
-    index: FullIndex
-    state: FullState           # its contents, verified
-    chain: tuple               # (BatchEntry, open BatchReader) continuing it, in step order
-    stop_step: int | None      # the target, None for the newest
-    skipped: tuple             # (file, why) of newer files that were not used
-    newest_step: int           # the newest step the directory's files reach (what resuming earlier abandons)
-    load_s: float              # time spent reading and verifying the full checkpoint
-
-    def close(self) -> None:
-        for _, reader in self.chain:
-            reader.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    directory: str
-    step: int                  # completed steps of the restored state
-    full_step: int             # the full checkpoint it was rebuilt from
-    full_index: FullIndex
-    full_state: FullState
-    last_record: StepRecord | None  # the record of ``step`` (None when step == full_step)
-    skipped: tuple = ()        # (file, why) of newer full checkpoints that were not used
-    full_file: str = ""        # the full checkpoint's file name
-    newest_step: int = -1      # the newest step the directory's files reach
-    load_s: float = 0.0        # reading and verifying the full checkpoint
-    times: ReplayTimes = dataclasses.field(default_factory=ReplayTimes)
-
-    @property
-    def boundary(self) -> StepState:
-        """The small state at the iteration boundary of ``step`` (RNG, extra_state, buffers,
-        scheduler, GradScaler): from the last replayed record, or the full checkpoint's own."""
-        if self.last_record is not None:
-            return StepState.from_objects(self.directory, self.last_record.objects, f"record of step {self.step}")
-        state = self.full_state
-        return StepState([], [], state.rng, {}, state.extra, state.scheduler, state.grad_scaler)
 
 
 class _Moved(Exception):
     """A listed file vanished and the manifest changed meanwhile: start again from a fresh view."""
 
 
-def checkpoint_directory(directory) -> str:
-    """``directory`` as a path; a path that is a file is refused by name."""
-    if not isinstance(directory, (str, bytes, os.PathLike)):
-        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
-    directory = os.fspath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(f"{directory} is a file, not a checkpoint directory")
-    return directory
-
-
 def restore(directory: str, *, check_full, apply_full, params_for, optimizer_for,
             stop_step: int | None = None, workers: int | None = None, into=None) -> Restored | None:
-    """Plan (``plan_recovery``), then execute: returns None for a directory with nothing in it."""
-    plan = plan_recovery(directory, check_full=check_full, stop_step=stop_step, into=into)
+    """Plan (``plan_directory``), then execute (recovery.execute): None for a directory with nothing
+    in it. ``into()`` gives the live tensors a full checkpoint is read straight into."""
+    for _ in range(_ATTEMPTS):
+        plan = plan_directory(directory, check_full=check_full, stop_step=stop_step)
+        if plan is None:
+            return None
+        try:
+            return _execute(plan, check_full, apply_full, params_for, optimizer_for, workers, into)
+        except _Moved:   # a fallback's file was retired meanwhile: plan again from a fresh view
+            continue
+    raise _busy(directory)
+
+
+def execute_directory(plan: Plan, *, check_full, apply_full, params_for, optimizer_for, workers=None,
+                      into=None) -> Restored | None:
+    """Carry out a plan of ``plan_directory``; if a live trainer retired a fallback's file
+    meanwhile, plan again from a fresh view (``restore``)."""
+    try:
+        return _execute(plan, check_full, apply_full, params_for, optimizer_for, workers, into)
+    except _Moved:
+        return restore(plan.directory, check_full=check_full, apply_full=apply_full, params_for=params_for,
+                       optimizer_for=optimizer_for, stop_step=plan.target, workers=workers, into=into)
+
+
+def _execute(plan: Plan, check_full, apply_full, params_for, optimizer_for, workers, into) -> Restored:
+    restored, _ = execute(plan, DirectoryLayout(check_full, into, workers), apply_full=apply_full,
+                          params_for=params_for, optimizer_for=optimizer_for)
+    assert restored is not None   # a plan has a candidate; when none loads, the layout raises
+    return restored
+
+
+def planned_step(plan: Plan | None) -> int:
+    """The step ``plan`` reaches if its files verify: the target, else the end of the first
+    candidate's opened chain (0 for no plan)."""
     if plan is None:
-        return None
-    return execute(plan, apply_full=apply_full, params_for=params_for, optimizer_for=optimizer_for, workers=workers)
+        return 0
+    if plan.target is not None:
+        return plan.target
+    return chain_end(plan.view.manifest, plan.candidates[0].step, [entry for entry, _ in plan.opened])
 
 
-def plan_recovery(directory: str, *, check_full, stop_step: int | None = None, into=None) -> RecoveryPlan | None:
-    """The plan to rebuild the newest durable state (or the one at ``stop_step``).
-
-    ``check_full(path, index, state)`` raises if the checkpoint does not fit the caller's objects.
-    ``into()`` gives the live tensors a full checkpoint is read straight into (``load_full``):
-    the caller's own model, which a plan that raises may leave holding part of a checkpoint.
-    Falls back to older full checkpoints when a newer one does not verify. None for a directory
-    with nothing in it; NoCheckpointError when nothing verifies or ``stop_step`` is not retained.
-    """
+def plan_directory(directory: str, *, check_full, stop_step: int | None = None) -> Plan | None:
+    """The frozen plan to rebuild the newest durable state (or the one at ``stop_step``), decided
+    before any live object changes (see the module doc). ``check_full(path, index, outline)``
+    raises if a checkpoint does not fit the caller's objects. None for a directory with nothing in
+    it; NoCheckpointError when nothing verifies, or ``stop_step`` is not retained or cannot be
+    reached."""
     directory = checkpoint_directory(directory)
     if not os.path.isdir(directory):
         return None
     for _ in range(_ATTEMPTS):
         try:
-            return _plan_once(directory, check_full, stop_step, into)
+            return _plan_once(directory, check_full, stop_step)
         except _Moved:
             continue
-    raise DirectoryBusyError(f"{directory}: checkpoint files kept disappearing while they were read "
-                             f"(a live trainer's retention); try again")
+    raise _busy(directory)
 
 
-def execute(plan: RecoveryPlan, *, apply_full, params_for, optimizer_for, workers: int | None = None) -> Restored:
-    """Load the plan's full checkpoint with ``apply_full(index, state)`` and replay its chain with
-    ``params_for(index)``/``optimizer_for(index)`` and ``workers`` decoding threads. Closes the
-    plan's files."""
-    times = ReplayTimes()
-    try:
-        apply_full(plan.index, plan.state)
-        step, last = replay(list(plan.chain), plan.full.step, params_for(plan.index), optimizer_for(plan.index),
-                            stop_step=plan.stop_step, warn=warn, times=times, workers=workers)
-    finally:
-        plan.close()
-    if plan.skipped:
-        warn(f"lowdiff: resumed from the older full checkpoint of step {plan.full.step}")
-    if plan.stop_step is not None and step != plan.stop_step:
-        raise NoCheckpointError(f"{plan.directory}: step {plan.stop_step} cannot be rebuilt; the newest "
-                                f"reachable is {step}")
-    return Restored(plan.directory, step, plan.full.step, plan.index, plan.state, last, plan.skipped,
-                    plan.full.file, plan.newest_step, plan.load_s, times)
+def _busy(directory: str) -> DirectoryBusyError:
+    return DirectoryBusyError(f"{directory}: checkpoint files kept disappearing while they were read "
+                              f"(a live trainer's retention); try again")
 
 
-def _plan_once(directory, check_full, stop_step, into):
+def _plan_once(directory: str, check_full, stop_step: int | None) -> Plan | None:
     inventory = take_inventory(directory, skip_other_versions=stop_step is not None)
     for note in inventory.notes:
         warn(f"lowdiff: {note}")
@@ -147,40 +114,84 @@ def _plan_once(directory, check_full, stop_step, into):
         raise NoCheckpointError(f"{directory}: step {stop_step} is not retained; {describe_retained(manifest)}")
     fulls = sorted((f for f in manifest.fulls if stop_step is None or f.step <= stop_step),
                    key=lambda f: f.step, reverse=True)
+    candidates = [Candidate(f.step, f, chain_end(manifest, f.step, plan_chain(manifest, f.step))) for f in fulls]
     skipped: list = []
-    for full in fulls:
-        started = time.perf_counter()
-        loaded = _load_verified(directory, inventory, full, stop_step, skipped, into, check_full)
-        if loaded is None:
-            continue
-        load_s = time.perf_counter() - started
-        index, state = loaded
-        chain = _open_chain(directory, inventory, full.step, stop_step)
-        reach = chain_end(manifest, full.step, [entry for entry, _ in chain])
-        if stop_step is not None and reach < stop_step:
-            _close_all(chain)
-            raise NoCheckpointError(f"{directory}: step {stop_step} cannot be rebuilt: the files after the full "
-                                    f"checkpoint of step {full.step} reach only step {reach}")
-        return RecoveryPlan(directory, full, index, state, tuple(chain), stop_step, tuple(skipped),
-                            manifest.durable_step(), load_s)
+    for position, candidate in enumerate(candidates):
+        chain = _prepare(directory, inventory, candidate, stop_step, skipped, check_full)
+        if chain is not None:
+            return Plan("directory", directory, stop_step, tuple(candidates[position:]), manifest.durable_step(),
+                        tuple(skipped), tuple(chain), inventory)
     if skipped or manifest.batches:
-        raise NoCheckpointError(f"{directory}: no full checkpoint verifies" +
-                                (f" at or before step {stop_step}" if stop_step is not None else "") +
-                                (": " + "; ".join(why for _, why in skipped) if skipped else ""))
+        raise _none_verifies(directory, stop_step, skipped)
     return None
 
 
-def _load_verified(directory, inventory, full, stop_step, skipped: list, into, check_full):
-    """(index, state) of ``full`` if it verifies and is what its entry says; else None, with the
-    reason appended to ``skipped`` and logged."""
+def _none_verifies(directory: str, stop_step: int | None, skipped: list) -> NoCheckpointError:
+    return NoCheckpointError(f"{directory}: no full checkpoint verifies" +
+                             (f" at or before step {stop_step}" if stop_step is not None else "") +
+                             (": " + "; ".join(why for _, why in skipped) if skipped else ""))
+
+
+def _prepare(directory: str, inventory, candidate: Candidate, stop_step: int | None, skipped: list, check_full):
+    """The open chain of ``candidate`` if its header is what its entry says and fits the caller's
+    objects; else None (why appended to ``skipped``, warned). Refuses a ``stop_step`` its chain's
+    files do not reach, unless the full checkpoint itself does not verify (then it is skipped, and
+    an older one may reach the target): the payload is read for that into memory of its own, not
+    into the caller's tensors."""
+    full = candidate.source
+    check = _checker(directory, inventory, full, check_full)
+    if _verified(directory, inventory, full, stop_step, skipped, lambda path: _read_header(path, check)) is None:
+        return None
+    chain = _open_chain(directory, inventory, full.step, stop_step)
+    reach = chain_end(inventory.manifest, full.step, [entry for entry, _ in chain])
+    if stop_step is not None and reach < stop_step:
+        _close_all(chain)
+        if _verified(directory, inventory, full, stop_step, skipped, lambda path: load_full(path, check=check)) \
+                is None:
+            return None
+        raise NoCheckpointError(f"{directory}: step {stop_step} cannot be rebuilt: the files after the full "
+                                f"checkpoint of step {full.step} reach only step {reach}")
+    return chain
+
+
+def _checker(directory: str, inventory, full, check_full):
+    def check(index, outline) -> None:
+        # Whether the file is what its entry says, and fits the caller's objects, is known from
+        # its index and outline: both are checked before anything is read into the live model.
+        path = os.path.join(directory, full.file)
+        check_entry(path, full, index, os.path.getsize(path), inventory.manifest.run)
+        check_full(path, index, outline)
+    return check
+
+
+def _read_header(path: str, check) -> tuple:
+    """A full checkpoint's index and objects section, checksum checked, and ``check(index,
+    outline)`` (as ``load_full``'s) called; its payload is not read."""
+    with fastio.Reader(path) as reader:
+        index = FullIndex.from_json(path, container.read_index(path, reader.read, reader.size, container.KIND_FULL),
+                                    reader.size)
+        objects = reader.read(index.objects.offset, index.objects.nbytes)
+    entry = index.objects
+    if (fastio.crc32c(objects) != entry.crc32c) if entry.crc32c is not None else \
+            (fastio.crc32(objects) != entry.crc32):
+        raise CorruptCheckpointError(path, f"objects section at offset {entry.offset} fails its checksum")
+    outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
+               for e in index.tensors}
+
+    def lookup(key):
+        if key not in outline:
+            raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
+        return outline[key]
+    check(index, FullState.from_tree(path, tree.join_tensors(tree.loads(objects, path), lookup)))
+    return index, None
+
+
+def _verified(directory, inventory, full, stop_step, skipped: list, read):
+    """``read(path)`` of ``full``'s file if it verifies and is what its entry says; else None, with
+    the reason appended to ``skipped`` and logged."""
     path = os.path.join(directory, full.file)
     try:
-        def check(index, outline) -> None:
-            # Whether the file is what its entry says, and fits the caller's objects, is known from
-            # its index and outline: both are checked before anything is read into the live model.
-            check_entry(path, full, index, os.path.getsize(path), inventory.manifest.run)
-            check_full(path, index, outline)
-        return load_full(path, into=into() if into is not None else None, check=check)
+        return read(path)
     except FileNotFoundError:
         _raise_if_moved(directory, inventory)
         why = f"{path} is missing"
@@ -193,6 +204,45 @@ def _load_verified(directory, inventory, full, stop_step, skipped: list, into, c
     skipped.append((full.file, why))
     warn(f"lowdiff: {why}; falling back to an older one")
     return None
+
+
+class DirectoryLayout:
+    """How recovery.execute reads a single directory's files (``into()``: the live tensors a full
+    checkpoint is read straight into; ``workers``: the replay's decoding threads)."""
+
+    def __init__(self, check_full, into, workers: int | None):
+        self._check_full = check_full
+        self._into = into
+        self._workers = workers
+
+    def load(self, plan: Plan, position: int, skipped: list) -> Loaded | None:
+        candidate, inventory = plan.candidates[position], plan.view
+        chain = list(plan.opened) if position == 0 else \
+            _prepare(plan.directory, inventory, candidate, plan.target, skipped, self._check_full)
+        if chain is None:
+            return None
+        full = candidate.source
+        check = _checker(plan.directory, inventory, full, self._check_full)
+        try:
+            loaded = _verified(plan.directory, inventory, full, plan.target, skipped, lambda path: load_full(
+                path, into=self._into() if self._into is not None else None, check=check))
+        except BaseException:
+            _close_all(chain)
+            raise
+        if loaded is None:
+            _close_all(chain)
+            return None
+        return Loaded(loaded[0], loaded[1], full.file, tuple(chain))
+
+    def replay(self, plan: Plan, candidate: Candidate, loaded: Loaded, params: list, optimizer, times) -> tuple:
+        return replay(list(loaded.chain), candidate.step, params, optimizer, stop_step=plan.target, warn=warn,
+                      times=times, workers=self._workers)
+
+    def release(self, loaded: Loaded) -> None:
+        _close_all(loaded.chain)
+
+    def none_verifies(self, plan: Plan, skipped: list) -> Exception:
+        return _none_verifies(plan.directory, plan.target, skipped)
 
 
 def _open_chain(directory: str, inventory, base_step: int, stop_step: int | None) -> list:
@@ -241,7 +291,7 @@ def _open_batch(directory, inventory, entry, base_step, stop_step):
     return reader
 
 
-def _close_all(chain: list) -> None:
+def _close_all(chain) -> None:
     for _, reader in chain:
         reader.close()
 

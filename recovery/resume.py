@@ -16,9 +16,11 @@ from lowdiff.step import boundary as capture
 from lowdiff.store.rankdirs import rank_directory
 from lowdiff.train.config import Scheduler, Stateful
 from recovery.compat import check_compatible
+from recovery.execute import Restored
 from recovery.partitioned.restore import restore_partitioned
+from recovery.plan import checkpoint_directory, warn
 from recovery.replay import check_workers
-from recovery.restore import Restored, checkpoint_directory, restore, warn
+from recovery.restore import execute_directory, plan_directory, planned_step
 from recovery.tiers import restore_from_tiers, shared_tier
 
 
@@ -246,12 +248,26 @@ def _restore_any_layout(directory: str, targets: _Targets, step: int | None, wor
 
 
 def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | None, workers: int | None):
-    """Restore; with several ranks, repeat at the smallest step every rank reaches until all agree."""
+    """Plan and execute. With several ranks, the ranks agree on the plan before anything changes:
+    each plans, and while their plans reach different steps, all plan again at the smallest. A
+    replay that then ends short of the plan on some rank (a record failed to verify there) makes
+    them go again at the smallest step all reached."""
     stop_step = step
     for _ in range(3):
-        restored = restore(directory, check_full=targets.check_full, apply_full=targets.apply_full,
-                           params_for=targets.params, optimizer_for=lambda index: targets.inner, stop_step=stop_step,
-                           workers=workers, into=targets.live_tensors)
+        plan = plan_directory(directory, check_full=targets.check_full, stop_step=stop_step)
+        if world > 1:
+            low, high = _agree(planned_step(plan))
+            if low != high:
+                if plan is not None:
+                    plan.close()
+                if low == 0:
+                    raise CheckpointError(f"{directory}: some ranks have no checkpoint to resume from while "
+                                          f"others reach step {high}")
+                stop_step = low
+                continue
+        restored = None if plan is None else execute_directory(
+            plan, check_full=targets.check_full, apply_full=targets.apply_full, params_for=targets.params,
+            optimizer_for=lambda index: targets.inner, workers=workers, into=targets.live_tensors)
         if world == 1:
             return restored
         low, high = _agree(restored.step if restored else 0)

@@ -6,6 +6,7 @@ tiers (training under torch.distributed) are planned and restored at any world s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -16,12 +17,49 @@ from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
 from lowdiff.tiers.marker import read_marker
+from recovery.execute import Restored
 from recovery.partitioned.plan import plan_sets
 from recovery.partitioned.restore import restore_partitioned
-from recovery.restore import Restored, checkpoint_directory, restore, warn
+from recovery.plan import checkpoint_directory, warn
+from recovery.restore import restore
 
 log = logging.getLogger("lowdiff")
 TIERS = ("local", "shared")
+
+
+@dataclasses.dataclass(frozen=True)
+class TiersPlan:
+    """Which tier recovery restores first and which it falls back to, decided from the steps their
+    manifests reach before any live object changes (each tier's own plan, recovery.plan, is made
+    when that tier is tried)."""
+
+    directories: tuple          # ((tier, directory), ...) in TIERS order
+    reach: tuple                # ((tier, step), ...) of the tiers whose manifests were read
+
+    def directory(self, tier: str) -> str:
+        return dict(self.directories)[tier]
+
+    def reach_of(self, tier: str) -> int:
+        return dict(self.reach).get(tier, -1)
+
+    @property
+    def order(self) -> tuple:
+        """The tiers that reach a step, furthest first (the local one when equal)."""
+        return tuple(sorted((t for t in TIERS if self.reach_of(t) >= 0),
+                            key=lambda t: (-self.reach_of(t), TIERS.index(t))))
+
+
+def plan_tiers(local: str, shared: str, stop_step: int | None, errors: dict) -> TiersPlan:
+    """The plan of two plain tiers; a tier whose manifest cannot be read or does not retain
+    ``stop_step`` is left out, its error put in ``errors``."""
+    directories = tuple(zip(TIERS, (local, shared)))
+    reach = []
+    for tier, directory in directories:
+        try:
+            reach.append((tier, directory_reach(directory, stop_step)))
+        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+            errors[tier] = exc
+    return TiersPlan(directories, tuple(reach))
 
 
 def shared_tier(directory: str, wrapper, shared_dir) -> str | None:
@@ -52,13 +90,9 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
     tier's reach, the other is restored, and the further of the two kept."""
     if is_partitioned(local) or is_partitioned(shared):
         return restore_partitioned_tiers(local, shared, check_full=check_full, stop_step=stop_step, **run)
-    directories = dict(zip(TIERS, (local, shared)))
-    reach, errors = {}, {}
-    for tier, directory in directories.items():
-        try:
-            reach[tier] = directory_reach(directory, stop_step)
-        except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
-            errors[tier] = exc
+    errors: dict = {}
+    plan = plan_tiers(local, shared, stop_step, errors)
+    directories = dict(plan.directories)
 
     def attempt(tier):
         try:
@@ -67,7 +101,7 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
             errors[tier] = exc
             warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
             return None, True
-    restored, tier, own = _restore_furthest(directories, reach, attempt, errors)
+    restored, tier, own = _restore_furthest(plan, attempt, errors)
     if restored is None and errors:
         raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
             f"{tier} tier {directories[tier]}: {exc}" for tier, exc in errors.items()))
@@ -92,27 +126,27 @@ def directory_reach(directory: str, stop_step: int | None) -> int:
     return reach if stop_step is None else min(reach, stop_step)
 
 
-def _restore_furthest(directories: dict, reach: dict, attempt, errors: dict | None = None):
-    """Restore the tier that reaches furthest by ``reach`` (the local one when equal) with
+def _restore_furthest(plan: TiersPlan, attempt, errors: dict | None = None):
+    """Restore the tier that reaches furthest by ``plan`` (the local one when equal) with
     ``attempt(tier) -> (Restored | None, own)``; if it ends before the other tier's reach, try
     that one and keep the further (restoring the first again if it was). Returns (Restored or
     None, tier, own)."""
-    order = sorted((t for t in TIERS if reach.get(t, -1) >= 0), key=lambda t: (-reach[t], TIERS.index(t)))
+    order = plan.order
     if not order:
         return None, "local", True
     best = order[0]
     if best == "shared":
         why = (f"{errors['local']}" if errors and "local" in errors else
-               "it has no full checkpoint to resume from" if reach.get("local", -1) < 0 else
-               f"it reaches step {reach['local']}, the shared tier step {reach['shared']}")
-        warn(f"lowdiff: resuming from the shared tier {directories['shared']}: the local tier "
-             f"{directories['local']} is not used ({why})")
+               "it has no full checkpoint to resume from" if plan.reach_of("local") < 0 else
+               f"it reaches step {plan.reach_of('local')}, the shared tier step {plan.reach_of('shared')}")
+        warn(f"lowdiff: resuming from the shared tier {plan.directory('shared')}: the local tier "
+             f"{plan.directory('local')} is not used ({why})")
     restored, own = attempt(best)
-    if len(order) == 1 or (restored is not None and restored.step >= reach[order[1]]):
+    if len(order) == 1 or (restored is not None and restored.step >= plan.reach_of(order[1])):
         return _said(restored, best, own)
     other = order[1]
     warn(f"lowdiff: the {best} tier reached only step {restored.step if restored else -1}; trying the {other} "
-         f"tier (its files reach step {reach[other]})")
+         f"tier (its files reach step {plan.reach_of(other)})")
     alternative, alternative_own = attempt(other)
     if alternative is not None and (restored is None or alternative.step > restored.step):
         return _said(alternative, other, alternative_own)
@@ -138,12 +172,14 @@ def tier_reach(root: str, stop_step: int | None) -> int:
     return reach if stop_step is None else min(reach, stop_step)
 
 
-def _agreed_reach(directories: dict, stop_step: int | None) -> dict:
-    """{tier: reach} planned by rank 0 and sent to every rank, so that all choose alike."""
+def _agreed_plan(directories: dict, stop_step: int | None) -> TiersPlan:
+    """The plan of partitioned tiers, made by rank 0 and sent to every rank, so that all choose
+    alike."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     plan: list = [None]
     if world == 1 or dist.get_rank() == 0:
-        plan[0] = {tier: tier_reach(directory, stop_step) for tier, directory in directories.items()}
+        plan[0] = TiersPlan(tuple(directories.items()),
+                            tuple((tier, tier_reach(directory, stop_step)) for tier, directory in directories.items()))
     if world > 1:
         dist.broadcast_object_list(plan, src=0)
     return plan[0]
@@ -156,7 +192,7 @@ def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step:
     local one when equal) with recovery.partitioned.restore; if it ends before the other tier's plan, try
     that one and keep the further."""
     directories = dict(zip(TIERS, (local, shared)))
-    reach = _agreed_reach(directories, stop_step)
+    plan = _agreed_plan(directories, stop_step)
 
     def attempt(tier):
         try:
@@ -166,7 +202,7 @@ def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step:
         except NoCheckpointError as exc:   # the same on every rank (the ranks agree on what failed)
             warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
             return None, True
-    return _restore_furthest(directories, reach, attempt)
+    return _restore_furthest(plan, attempt)
 
 
 def _said(restored: Restored | None, tier: str, own: bool = True) -> tuple[Restored | None, str, bool]:

@@ -57,6 +57,18 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
     return steps, slots
 
 
+def chain_reach(shares: list, base_step: int, warn) -> int:
+    """The step the shares' files continue ``base_step`` to by their indexes (no record read):
+    the last step every share holds contiguously (``base_step`` when a share holds no file).
+    What ``MergedShares`` replays at most; recovery plans a target step with it."""
+    per_share = [_share_steps(share, base_step + 1, warn) for share in shares]
+    last = base_step
+    while per_share and all(slots is not None for _, slots in per_share) and \
+            all(last + 1 in steps for steps, _ in per_share):
+        last += 1
+    return last
+
+
 class MergedShares:
     """Looks like an open ``BatchReader`` to ``recovery.replay`` (``path``, ``index_error``,
     ``entries``, ``steps``, ``prepare_read``, ``read_for_replay``, ``decode_record``)."""

@@ -1,6 +1,6 @@
 """recovery.partitioned.plan: which full sets of a partitioned directory a resume may start from,
-newest first, planned by rank 0 from the reconciled view of every rank directory and sent to every
-rank (recovery.partitioned.restore carries it out)."""
+newest first, surveyed by rank 0 from the reconciled view of every rank directory and sent to every
+rank (recovery.partitioned.restore makes the frozen plan of it; recovery.execute carries it out)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,7 @@ from lowdiff.distributed.partition import (
     retained_ranges,
     session_chain,
 )
-from recovery.restore import warn
+from recovery.plan import warn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,9 @@ class FullSet:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """What rank 0 found in the rank directories, sent to every rank."""
+class Survey:
+    """What rank 0 found in the rank directories, sent to every rank (recovery.partitioned.restore
+    makes the frozen recovery.plan.Plan of it)."""
     sets: list                 # FullSet at or before the asked step, newest first (ties: furthest reach)
     newest: int                # the newest step any rank directory lists
     ranges: list               # [(first, last)] steps the complete sets reach (time travel targets)
@@ -42,7 +43,7 @@ class Plan:
     missing: dict = dataclasses.field(default_factory=dict)   # {rank: [steps]}: rank directories sets need, absent
 
 
-def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
+def plan(root: str, stop_step: int | None, views: dict | None = None) -> Survey:
     """The complete full sets of the partitioned directory ``root`` (at or before ``stop_step``),
     from the reconciled view of every rank directory: a rank whose manifest is missing or damaged
     has its list rebuilt from its share files (warned), so no durable share is lost with it.
@@ -81,7 +82,8 @@ def plan(root: str, stop_step: int | None, views: dict | None = None) -> Plan:
     # its own step.
     sets.sort(key=lambda s: (s.step, s.reach), reverse=True)
     ranges = retained_ranges(manifests, every)
-    return Plan(sets, newest, ranges, describe_ranges(ranges, every), missing_rank_directories(root, manifests, every))
+    return Survey(sets, newest, ranges, describe_ranges(ranges, every),
+                  missing_rank_directories(root, manifests, every))
 
 
 def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
@@ -91,7 +93,7 @@ def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
     return found.sets, found.newest
 
 
-def broadcast_plan(root: str, stop_step: int | None, world: int) -> Plan:
+def broadcast_plan(root: str, stop_step: int | None, world: int) -> Survey:
     if world == 1:
         return plan(root, stop_step)
     found: list = [plan(root, stop_step) if dist.get_rank() == 0 else None]

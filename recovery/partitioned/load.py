@@ -1,0 +1,231 @@
+"""recovery.partitioned.load: reading one full set of a partitioned directory (docs/format.md,
+"Partitioned directories") at any world size, every rank alike.
+
+For a set of n shares and W ranks, rank ``i mod W`` alone reads share i (its bytes of the shared
+payload, every piece's checksum checked) and sends them to the others; each rank reads its own
+per-rank part. The shared tensors that the caller already holds (``into``: the live model, an
+optimizer with state) are read and received straight into them, the rest into one staging buffer.
+The ranks agree on which shares failed (a set that fails is given up by every rank alike). Without
+a process group (W = 1) the same code reads everything itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import fastio
+from lowdiff.errors import CheckpointError, CorruptCheckpointError
+from lowdiff.format import tree
+from lowdiff.format.fullckpt import payload_tensor
+from lowdiff.format.payloadread import apart, placeable, read_payload
+from lowdiff.format.records import dtype_from_name
+from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
+from lowdiff.format.sharefile import read_full_share_index, read_own
+from recovery.partitioned.plan import FullSet
+from recovery.plan import warn
+
+
+def _agree_problems(problems: dict, world: int) -> dict:
+    """Every rank's {share: why} joined (a collective when ``world`` > 1)."""
+    if world == 1:
+        return problems
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, problems)
+    out: dict = {}
+    for part in gathered:
+        for share, why in part.items():
+            out.setdefault(share, why)
+    return out
+
+
+@dataclasses.dataclass
+class _Loaded:
+    index: object              # this rank's FullShareIndex (its own share, or share 0 for a new rank)
+    state: FullState
+    path: str
+
+
+def _read_indexes(fset: FullSet, problems: dict) -> dict:
+    """Every share's index, checked to be of one set (a share that is not: ``problems``)."""
+    indexes = {}
+    for i, path in enumerate(fset.files):
+        try:
+            with fastio.Reader(path) as reader:
+                indexes[i] = read_full_share_index(path, reader)
+        except (CheckpointError, OSError, EOFError) as exc:
+            problems[i] = f"{path} does not verify ({exc})"
+    if problems:
+        return indexes
+    first = indexes[0]
+    for i, index in indexes.items():
+        if (index.step, index.session, index.run, index.count, index.layout) != \
+                (fset.step, fset.session, first.run, fset.count, first.layout):
+            problems[i] = f"{fset.files[i]} is not a share of the same set as {fset.files[0]}"
+    return indexes
+
+
+def _read_own_part(path: str, index, problems: dict, share: int):
+    """This rank's own per-rank part (tensors and state skeleton), or None (then ``problems``)."""
+    try:
+        with fastio.Reader(path) as reader:
+            return read_own(path, reader, index)
+    except (CheckpointError, OSError, EOFError) as exc:
+        problems[share] = f"{path} does not verify ({exc})"
+        return None
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor (the same memory, no autograd)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _placement(layout: tuple, live: dict, world: int) -> dict:
+    """{key: live tensor} of the shared tensors read straight into the caller's tensors: those
+    ``payloadread.placeable`` and ``apart`` allow on every rank (the ranks exchange them piece by
+    piece into the same places, so they agree on the set first)."""
+    entries = [TensorEntry(e["offset"], e["nbytes"], key=e["key"], dtype=e["dtype"], shape=tuple(e["shape"]))
+               for e in layout]
+    wanted = apart({e.key: live[e.key] for e in entries if e.key in live and placeable(e, live[e.key])})
+    if world > 1:
+        mask = torch.tensor([e.key in wanted for e in entries], dtype=torch.int32)
+        dist.all_reduce(mask, op=dist.ReduceOp.MIN)
+        wanted = {e.key: wanted[e.key] for e, agreed in zip(entries, mask.tolist()) if agreed}
+    return wanted
+
+
+def _piece_target(piece, layout: dict, placed: dict) -> torch.Tensor:
+    """Where ``piece``'s bytes go in its live tensor."""
+    low = piece.offset - layout[piece.key]["offset"]
+    return _byte_view(placed[piece.key])[low:low + piece.nbytes]
+
+
+def _read_share_payload(path: str, index, layout: dict, placed: dict, staging) -> None:
+    """Share ``index``'s bytes of the shared payload: the pieces of placed tensors into them, the
+    rest into ``staging`` at their offsets in the shared payload; every piece's CRC-32C checked
+    in the same pass (payloadread)."""
+    entries = [TensorEntry(PAYLOAD_OFFSET + p.offset - index.start, p.nbytes, crc32c=p.crc32c, key=p.key,
+                           dtype="uint8", shape=(p.nbytes,)) for p in index.pieces]
+    into = {p.key: _piece_target(p, layout, placed) for p in index.pieces if p.key in placed}
+    with fastio.Reader(path) as reader:
+        _, got = read_payload(path, reader, index.end - index.start, entries, True, into, buffer=staging,
+                              base=index.start)
+    # Every rank receives these pieces in the live tensors: all must have been read there.
+    assert got.keys() == into.keys(), sorted(set(into) - set(got))
+
+
+def _exchange_bytes(indexes: dict, staging, layout: dict, placed: dict, count: int, world: int) -> None:
+    """Send each share's bytes from the rank that read it to every other rank."""
+    if world == 1:
+        return
+    whole = staging.tensor(indexes[0].shared_bytes) if indexes[0].shared_bytes else None
+    for i in range(count):
+        for target in _exchange_targets(indexes[i].pieces, whole, layout, placed):
+            dist.broadcast(target, src=i % world)
+
+
+def _exchange_targets(pieces, whole, layout: dict, placed: dict):
+    """Where a share's bytes go, in the order every rank sends and receives them: a placed
+    tensor's piece straight into that tensor, each run of other pieces into the staging buffer."""
+    run = None
+    for piece in pieces:
+        if piece.key in placed:
+            if run is not None:
+                yield whole[run[0]:run[1]]
+                run = None
+            yield _piece_target(piece, layout, placed)
+        else:
+            run = (piece.offset if run is None else run[0], piece.offset + piece.nbytes)
+    if run is not None:
+        yield whole[run[0]:run[1]]
+
+
+def _state_of(path: str, index, shared, own_part) -> FullState:
+    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``."""
+    layout = {e["key"]: e for e in index.layout}
+    own, objects = own_part
+
+    def lookup(key):
+        if key in layout:
+            return shared(layout[key])
+        if key in own:
+            entry, data = own[key]
+            dtype = dtype_from_name(entry.dtype, path)
+            return torch.frombuffer(data, dtype=dtype).view(entry.shape) if entry.nbytes else \
+                torch.empty(entry.shape, dtype=dtype)
+        raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
+    return FullState.from_tree(path, tree.join_tensors(tree.loads(objects, path), lookup))
+
+
+def _outline(path: str):
+    def shared(entry):
+        return torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"], path), device="meta")
+    return shared
+
+
+def _from_staging(path: str, payload: torch.Tensor, placed: dict):
+    def shared(entry):
+        if entry["key"] in placed:
+            return placed[entry["key"]]
+        return payload_tensor(payload, entry["offset"], entry["nbytes"], dtype_from_name(entry["dtype"], path),
+                              entry["shape"], entry["key"])
+    return shared
+
+
+def _give_up(fset: FullSet, problems: dict) -> None:
+    for share, why in sorted(problems.items()):
+        warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; falling back to an older set")
+
+
+def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded | None:
+    """The set's state on this rank, or None (every rank alike) when a share does not verify.
+
+    Indexes and this rank's own part come first: with them the state's outline is checked
+    (``check_full``) before a byte is read into the caller's tensors (``into()``, as
+    ``fullckpt.live_targets``). The shared tensors those hold are then read and exchanged straight
+    into them; the rest into one staging buffer. A share that fails its checksums after that
+    leaves part of its bytes in those tensors: the older set that resume falls back to overwrites
+    them, as a plain directory's does."""
+    own = rank if rank < fset.count else 0
+    problems: dict = {}
+    indexes = _read_indexes(fset, problems)
+    own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own)
+    outline = None
+    if own_part is not None:
+        try:
+            outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part)
+        except CorruptCheckpointError as exc:
+            problems[own] = str(exc)
+    problems = _agree_problems(problems, world)
+    if problems:
+        _give_up(fset, problems)
+        return None
+    index = full_index(indexes[own])
+    check_full(fset.files[own], index, outline)
+    first = indexes[0]
+    layout = {e["key"]: e for e in first.layout}
+    placed = _placement(first.layout, into() if into is not None else {}, world)
+    staging = fastio.aligned_buffer(max(first.shared_bytes, PAGE))
+    for i in range(rank, fset.count, world):
+        try:
+            _read_share_payload(fset.files[i], indexes[i], layout, placed, staging)
+        except (CheckpointError, OSError, EOFError) as exc:
+            problems[i] = f"{fset.files[i]} does not verify ({exc})"
+    problems = _agree_problems(problems, world)
+    if problems:
+        _give_up(fset, problems)
+        return None
+    _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
+    payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
+    state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part)
+    return _Loaded(indexes[own], state, fset.files[own])
+
+
+
+def full_index(share) -> FullIndex:
+    """The fields of a full checkpoint's index that compat checks and replay read."""
+    return FullIndex(share.step, share.session, share.run, 0, (), share.objects, share.param_names,
+                     share.param_aliases, share.optimizer_class, share.compressor)
+
+
