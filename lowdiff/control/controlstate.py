@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 
-from lowdiff.format.container import read_file, write_json_file
-from lowdiff.format.schema import CONTROLLER_VERSION, ControllerState
+from lowdiff.format.container import CONTROLLER_VERSION, ControllerState, read_file, write_json_file
 from lowdiff.store.inventory import is_dead_temp
 
 __all__ = ["CONTROLLER_NAME", "CONTROLLER_VERSION", "UnusableState", "read_state", "write_state"]

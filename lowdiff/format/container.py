@@ -1,6 +1,6 @@
 """The envelopes of every file kind: the binary container shared by full checkpoints, batches and
-shares, and the atomic commit of the JSON files beside them (manifest, CONTROLLER.json, TIERS.json,
-whose fields lowdiff.format.schema holds).
+shares; and the JSON files beside them (MANIFEST.json, CONTROLLER.json, TIERS.json): their records
+and their one atomic commit. (The binary files' indexes are lowdiff.format.schema.)
 
 Binary layout (docs/format.md): a 16-byte preamble (magic, version, kind) at offset 0, the payloads,
 a JSON index, and a 32-byte trailer at the very end that locates and checksums the index. The
@@ -8,7 +8,9 @@ index is written last because it carries checksums of payloads that are only kno
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import struct
 import zlib
@@ -26,6 +28,10 @@ KIND_FULL_SHARE = 3   # a share of a full checkpoint in a partitioned directory 
 KIND_DIFF_SHARE = 4   # a share of differentials in a partitioned directory
 KIND_NAMES = {KIND_FULL: "full checkpoint", KIND_DIFF: "differential batch",
               KIND_FULL_SHARE: "full-checkpoint share", KIND_DIFF_SHARE: "differential share"}
+
+MANIFEST_VERSION = 1          # MANIFEST.json
+CONTROLLER_VERSION = 1        # CONTROLLER.json
+TIERS_VERSION = 1             # TIERS.json
 
 PREAMBLE = struct.Struct("<8sHH4x")      # magic, version, kind, reserved
 TRAILER = struct.Struct("<QQIHH8s")      # index offset, index length, index crc32, version, kind, magic
@@ -135,3 +141,155 @@ def read_file(path: str) -> bytes | None:
             return f.read()
     except FileNotFoundError:
         return None
+
+
+# ------------------------------------------------------------------ the JSON files
+def encode_json_file(body) -> bytes:
+    """The bytes of a JSON file beside the checkpoints (manifest, CONTROLLER.json, TIERS.json)."""
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class FullEntry:
+    """A committed full checkpoint (or share of one) that the manifest lists."""
+    step: int
+    file: str
+    nbytes: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchEntry:
+    """A committed differential batch (or share of one) of steps ``first..last``."""
+    first: int
+    last: int
+    file: str
+    nbytes: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RetiredEntry:
+    """A file the commit of this manifest stopped listing: the next trainer may delete it."""
+    file: str
+    nbytes: int
+
+
+@dataclasses.dataclass
+class ManifestRecord:
+    """MANIFEST.json (docs/format.md, "Manifest"); lowdiff.store.manifest adds the chains."""
+
+    fulls: list = dataclasses.field(default_factory=list)     # FullEntry, in commit order
+    batches: list = dataclasses.field(default_factory=list)   # BatchEntry, in commit order
+    run: str | None = None                                    # the directory's run id (None: unknown)
+    retired: list = dataclasses.field(default_factory=list)   # RetiredEntry
+    rebuilt: bool = dataclasses.field(default=False, compare=False)   # by scanning files (no good manifest)
+
+    def to_json(self) -> bytes:
+        body = {"version": MANIFEST_VERSION, "fulls": [dataclasses.asdict(e) for e in self.fulls],
+                "batches": [dataclasses.asdict(e) for e in self.batches],
+                "retired": [dataclasses.asdict(e) for e in self.retired]}
+        if self.run is not None:
+            body["run"] = self.run
+        return encode_json_file({"crc32": zlib.crc32(encode_json_file(body)), "manifest": body})
+
+    def files(self) -> set:   # the names of the files listed
+        return {f.file for f in self.fulls} | {b.file for b in self.batches}
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str):
+        try:
+            outer = json.loads(data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
+        if not isinstance(outer, dict) or not ({"crc32", "manifest"} & set(outer)):
+            # Valid JSON that is not ours at all (damage cannot turn both keys into others): another
+            # tool's file. Never rebuilt over, never overwritten.
+            raise ForeignFileError(path, "is not a lowdiff manifest (valid JSON without 'crc32' or 'manifest'); "
+                                         "refusing to use or overwrite it — is this the right directory?")
+        try:
+            body = outer["manifest"]
+            if zlib.crc32(encode_json_file(body)) != outer["crc32"]:
+                raise CorruptCheckpointError(path, "manifest checksum mismatch")
+            if body.get("version") != MANIFEST_VERSION:
+                raise VersionMismatchError(path, f"manifest version {body.get('version')!r}, this lowdiff reads "
+                                                 f"version {MANIFEST_VERSION}")
+            run = body.get("run")
+            if run is not None and not isinstance(run, str):
+                raise TypeError(f"run is {run!r}")
+            return cls([FullEntry(**e) for e in body["fulls"]], [BatchEntry(**e) for e in body["batches"]],
+                       run, [RetiredEntry(**e) for e in body.get("retired", [])])
+        except (CorruptCheckpointError, VersionMismatchError):
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(path, f"manifest is not valid: {type(exc).__name__}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerState:
+    """CONTROLLER.json (docs/format.md, "Controller measurements"): samples by name and the
+    settings in force. Settings are kept as found; the controller judges whether they are sensible."""
+
+    samples: dict             # name -> [float]
+    full_every: object = None
+    batch_steps: object = None
+    differentials: object = None
+
+    @classmethod
+    def of(cls, samples: dict, settings: dict) -> ControllerState:
+        """From samples by name and the settings by name (as the controller keeps them)."""
+        return cls(samples, settings.get("full_every"), settings.get("batch_steps"), settings.get("differentials"))
+
+    def settings(self) -> dict:
+        return {"full_every": self.full_every, "batch_steps": self.batch_steps, "differentials": self.differentials}
+
+    def to_json(self) -> bytes:
+        return encode_json_file({"version": CONTROLLER_VERSION, "samples": self.samples, "settings": self.settings()})
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> ControllerState:
+        """Raises ValueError naming ``path`` and what is wrong."""
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: cannot be read as JSON ({exc})") from None
+        if not isinstance(body, dict) or body.get("version") != CONTROLLER_VERSION:
+            version = body.get("version") if isinstance(body, dict) else None
+            raise ValueError(f"{path}: version {version!r}, this lowdiff reads version {CONTROLLER_VERSION}")
+        samples, settings = body.get("samples"), body.get("settings")
+        if not isinstance(samples, dict) or not isinstance(settings, dict):
+            raise ValueError(f"{path}: has no 'samples' and 'settings' objects")
+        for name, values in samples.items():
+            if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       and math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"{path}: samples[{name!r}] is not a list of numbers >= 0")
+        return cls.of({name: [float(v) for v in values] for name, values in samples.items()}, settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class TiersMarker:
+    """TIERS.json (docs/format.md, "Storage tiers"): where the shared tier is; each tier's policy
+    and the lag bound, informational (None when a file lacks them)."""
+
+    shared_dir: str
+    local_policy: str | None = None
+    shared_policy: str | None = None
+    max_lag_steps: int | None = None
+
+    def to_json(self) -> bytes:
+        return encode_json_file({"version": TIERS_VERSION, **dataclasses.asdict(self)})
+
+    def fields(self) -> dict:
+        """The fields by name, as the file holds them (one it lacks is absent)."""
+        return {"version": TIERS_VERSION, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> TiersMarker:
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"is not valid JSON: {exc}") from None
+        if not isinstance(body, dict) or body.get("version") != TIERS_VERSION or \
+                not isinstance(body.get("shared_dir"), str):
+            raise CorruptCheckpointError(path, f"is not a version {TIERS_VERSION} tier marker")
+        return cls(body["shared_dir"], body.get("local_policy"), body.get("shared_policy"), body.get("max_lag_steps"))

@@ -12,8 +12,15 @@ import os
 import re
 
 import fastio
-from lowdiff.format.container import read_file, write_json_file
-from lowdiff.format.schema import MANIFEST_VERSION, BatchEntry, FullEntry, ManifestRecord, RetiredEntry
+from lowdiff.format.container import (
+    MANIFEST_VERSION,
+    BatchEntry,
+    FullEntry,
+    ManifestRecord,
+    RetiredEntry,
+    read_file,
+    write_json_file,
+)
 
 __all__ = ["DIFF_RE", "FULL_RE", "MANIFEST_NAME", "MANIFEST_VERSION", "BatchEntry", "FullEntry", "Manifest",
            "RetiredEntry", "chain_end", "describe_retained", "diff_name", "full_name", "plan_chain",
@@ -33,7 +40,7 @@ def diff_name(first: int, last: int, session: str) -> str:
 
 
 class Manifest(ManifestRecord):
-    """A directory's manifest: its fields and JSON are lowdiff.format.schema's ``ManifestRecord``;
+    """A directory's manifest: its fields and JSON are lowdiff.format.container's ``ManifestRecord``;
     here, what the listed files reach."""
 
     def durable_step(self) -> int:

@@ -9,8 +9,7 @@ import os
 import fastio
 from lowdiff.distributed.partition import Partition, is_partitioned
 from lowdiff.errors import CheckpointError
-from lowdiff.format.container import read_file, write_json_file
-from lowdiff.format.schema import TIERS_VERSION, TiersMarker
+from lowdiff.format.container import TIERS_VERSION, TiersMarker, read_file, write_json_file
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.store.inventory import is_dead_temp
 from lowdiff.store.manifest import MANIFEST_NAME

@@ -326,9 +326,9 @@ def test_the_next_store_deletes_only_retired_files_and_temp_files_of_dead_writer
 
 # ------------------------------------------------------------------ the format package's JSON files
 def test_the_manifest_schema_lives_in_the_format_package():
-    """store.manifest adds chains to format.schema's record; its entries are format's own."""
-    from lowdiff.format import schema
-    assert issubclass(Manifest, schema.ManifestRecord) and FullEntry is schema.FullEntry
+    """store.manifest adds chains to the format package's record; its entries are format's own."""
+    from lowdiff.format import container
+    assert issubclass(Manifest, container.ManifestRecord) and FullEntry is container.FullEntry
     m = Manifest([full(0)], [batch(1, 3)], run="0" * 16)
     assert type(Manifest.from_json(m.to_json(), "m")) is Manifest
     assert dataclasses.replace(m, run=None) == Manifest([full(0)], [batch(1, 3)])
