@@ -11,7 +11,7 @@ recovery in a new process (as after a failure):
   resume-w1    recovery.resume(workers=1)
   resume       recovery.resume() (default workers)
   naive-kept   the naive recovery with its optimizer steps where resume's replay runs its own:
-               recovery.heapreuse.keep_freed_memory (how much of resume's gain that alone gives)
+               recovery.pipeline.heapreuse.keep_freed_memory (how much of resume's gain that alone gives)
   lower-bound  all checkpoint bytes at the O_DIRECT read bandwidth of those very files (read before
                the recoveries, before each resume round and after them; the fastest pass counts,
                and each round is also set against its own pass) + the time of the
@@ -61,7 +61,7 @@ import fastio  # noqa: E402
 import lowdiff  # noqa: E402
 import recovery  # noqa: E402
 from lowdiff.format.fullckpt import live_targets, load_full  # noqa: E402
-from recovery.heapreuse import keep_freed_memory  # noqa: E402
+from recovery.pipeline.heapreuse import keep_freed_memory  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -128,7 +128,7 @@ def naive_recovery(naive_dir: str, model_name: str, chain: int, keep_memory: boo
     the replay's unavoidable work: the same optimizer steps on the same gradients and state (AdamW
     on a state that sparse gradients left mostly zero is slower than on a dense one, so a step
     timed on random dense gradients would misstate it). ``keep_memory``: inside
-    recovery.heapreuse.keep_freed_memory, as resume's replay runs its steps (what the naive
+    recovery.pipeline.heapreuse.keep_freed_memory, as resume's replay runs its steps (what the naive
     recovery would gain from that alone)."""
     with keep_freed_memory() if keep_memory else contextlib.nullcontext():
         return _naive_recovery(naive_dir, model_name, chain)

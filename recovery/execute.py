@@ -21,8 +21,8 @@ from typing import Protocol
 from lowdiff.errors import NoCheckpointError
 from lowdiff.format.records import StepRecord
 from lowdiff.format.schema import FullIndex, FullState, StepState
+from recovery.pipeline.replay import ReplayTimes
 from recovery.plan import Candidate, Loaded, Plan, warn
-from recovery.replay import ReplayTimes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ from lowdiff.format.schema import FullIndex, FullState
 from lowdiff.store.inventory import check_entry, take_inventory
 from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, chain_end, describe_retained, plan_chain
 from recovery.execute import Restored, execute
+from recovery.pipeline.replay import replay
 from recovery.plan import Candidate, Loaded, Plan, checkpoint_directory, warn
-from recovery.replay import replay
 
 __all__ = ["DirectoryLayout", "Restored", "checkpoint_directory", "execute_directory", "plan_directory",
            "planned_step", "restore", "warn"]

@@ -18,8 +18,8 @@ from lowdiff.train.config import Scheduler, Stateful
 from recovery.compat import check_compatible
 from recovery.execute import Restored
 from recovery.partitioned.restore import restore_partitioned
+from recovery.pipeline.replay import check_workers
 from recovery.plan import checkpoint_directory, warn
-from recovery.replay import check_workers
 from recovery.restore import execute_directory, plan_directory, planned_step
 from recovery.tiers import restore_from_tiers, shared_tier
 
@@ -124,7 +124,7 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     abandons the steps after it (a warning says which).
 
     ``workers`` threads read and decode differentials ahead of the apply (default: the machine's
-    cores but the applying one, see recovery.replay.default_workers); any count gives the same bytes.
+    cores but the applying one, see recovery.pipeline.replay.default_workers); any count gives the same bytes.
 
     Error-feedback residuals of a TopK compressor are per-rank and cannot be rebuilt from the
     aggregated differentials: they are restored when the resumed step is a full checkpoint's

@@ -16,7 +16,7 @@ from lowdiff.format.batchfile import BatchReader
 from lowdiff.format.fullckpt import load_full
 from lowdiff.store.inventory import check_entry, take_inventory
 from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, Manifest, plan_chain, read_manifest
-from recovery.replay import check_workers, verify_workers
+from recovery.pipeline.replay import check_workers, verify_workers
 
 
 @dataclasses.dataclass(frozen=True)

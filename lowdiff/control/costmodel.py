@@ -222,7 +222,7 @@ def solve(costs: Costs, limits: Limits, *, differentials: bool | str = True, ful
 
 
 def replay_estimate(optimizer_step_s: float, copy_s: float, read_s: float, decode_s: float, workers: int) -> float:
-    """Replay time per differential before any resume was measured. recovery.replay applies records
+    """Replay time per differential before any resume was measured. recovery.pipeline.replay applies records
     in order on one thread (copy into the gradients + optimizer step) while ``workers`` threads read
     and decode the next ones: per record, the slower of the two stages (not their sum)."""
     return max(optimizer_step_s + copy_s, (read_s + decode_s) / max(1, workers))

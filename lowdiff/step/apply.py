@@ -51,7 +51,7 @@ def machine_cores() -> int:
 
 
 def replay_workers() -> int:
-    """Threads that decode records ahead of the apply (recovery.replay's default; the controller's
+    """Threads that decode records ahead of the apply (recovery.pipeline.replay's default; the controller's
     replay estimate assumes it): the machine's cores but the one the applying thread uses, 1 to 8
     (beyond that the apply is the bound): a decoder on the applying thread's core takes the CPU and
     memory bandwidth the optimizer's steps need. On 2 cores (bench_recovery, TopK and Dense) two
@@ -233,7 +233,7 @@ class GradientBuffers:
         """A step that writes all of buffer ``index`` (every parameter of it dense): its
         parameters' ``.grad`` become views of ``values`` for this step, not a copy of them in the
         buffer. A dense record is the size of the model; its values already lie in memory the
-        replay holds until the step after this one (recovery.replay), and copying them would cost
+        replay holds until the step after this one (recovery.pipeline.replay), and copying them would cost
         a pass over that much memory beside the optimizer's. The buffer keeps what it held (its
         ``dirty`` positions stay true for the next sparse step); ``_reattach`` gives the
         parameters their views of it back after the step."""

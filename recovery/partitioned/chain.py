@@ -1,6 +1,6 @@
 """The differentials of a partitioned directory as one chain: each step's record is the union of
 the shares' records of that step (each gradient from the share that owns its parameter), served to
-``recovery.replay`` through the same interface as an open batch file.
+``recovery.pipeline.replay`` through the same interface as an open batch file.
 
 The files' indexes are known up front (which steps each file holds, at which offsets); their bytes
 arrive one file at a time as the replay reaches them (``fetch``: read by one rank and sent to the
@@ -70,7 +70,7 @@ def chain_reach(shares: list, base_step: int, warn) -> int:
 
 
 class MergedShares:
-    """Looks like an open ``BatchReader`` to ``recovery.replay`` (``path``, ``index_error``,
+    """Looks like an open ``BatchReader`` to ``recovery.pipeline.replay`` (``path``, ``index_error``,
     ``entries``, ``steps``, ``prepare_read``, ``read_for_replay``, ``decode_record``)."""
 
     def __init__(self, root: str, shares: list, base_step: int, param_count: int, own: int | None, warn,

@@ -26,8 +26,8 @@ from recovery.execute import Restored, execute
 from recovery.partitioned.chain import MergedShares, ShareFiles, chain_reach
 from recovery.partitioned.load import full_index, load_set
 from recovery.partitioned.plan import FullSet, broadcast_plan
+from recovery.pipeline.replay import replay
 from recovery.plan import Candidate, Loaded, Plan, warn
-from recovery.replay import replay
 
 # Records in flight in a partitioned replay. The same on every rank whatever its cores: the files
 # behind them are fetched collectively, so every rank must fetch as many before the replay stops.

@@ -17,7 +17,7 @@ from lowdiff.format.sharefile import parse_diff_share, read_full_share_index, re
 from lowdiff.store.inventory import check_entry
 from lowdiff.store.manifest import MANIFEST_NAME, FullEntry
 from recovery.partitioned.plan import plan
-from recovery.replay import verify_workers
+from recovery.pipeline.replay import verify_workers
 from recovery.verify import Problem, VerifyReport, _inventory_problems, _manifest_problems, checked
 
 

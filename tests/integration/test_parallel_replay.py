@@ -144,7 +144,7 @@ def test_workers_must_be_positive(tmp_path):
 def test_records_in_flight_stay_within_the_window(tmp_path, monkeypatch):
     """Decoded records wait for the apply in a bounded window (4 per worker): a long chain never
     holds more than that in memory, however much faster the workers decode than the apply runs."""
-    import recovery.replay as replay_module
+    import recovery.pipeline.replay as replay_module
     from lowdiff.step.apply import GradientBuffers
 
     directory = str(tmp_path / "ckpt")
@@ -177,7 +177,7 @@ def test_records_in_flight_stay_within_the_window(tmp_path, monkeypatch):
 def test_large_records_in_flight_stay_within_window_bytes(tmp_path, monkeypatch):
     """Records that hold WINDOW_BYTES between them limit the window to two (a dense record is the
     size of the model): the same resume, with fewer read buffers faulted in."""
-    import recovery.replay as replay_module
+    import recovery.pipeline.replay as replay_module
     from lowdiff.step.apply import GradientBuffers
 
     directory = str(tmp_path / "ckpt")
@@ -205,7 +205,7 @@ def test_large_records_in_flight_stay_within_window_bytes(tmp_path, monkeypatch)
 
 
 def test_the_replays_steps_run_with_freed_memory_kept_and_it_ends_with_the_replay(tmp_path):
-    from recovery import heapreuse
+    from recovery.pipeline import heapreuse
     if not heapreuse.tuning_allowed():
         pytest.skip("malloc tuning is not available or switched off here")
     directory = str(tmp_path / "ckpt")

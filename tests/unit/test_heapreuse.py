@@ -1,4 +1,4 @@
-"""recovery.heapreuse: while a replay runs, glibc's malloc serves large tensors from its heap and
+"""recovery.pipeline.heapreuse: while a replay runs, glibc's malloc serves large tensors from its heap and
 keeps freed pages for the next step; afterwards large blocks are mapped (and returned) again.
 
 Each case runs in a new interpreter: malloc's settings belong to the process, and its dynamic
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import recovery.heapreuse as heapreuse
+import recovery.pipeline.heapreuse as heapreuse
 
 pytestmark = pytest.mark.skipif(
     heapreuse._glibc() is None or not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc 2.33+")
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 CHILD = r"""
 import ctypes, json, resource, sys
 import torch
-from recovery import heapreuse
+from recovery.pipeline import heapreuse
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

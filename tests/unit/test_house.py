@@ -187,6 +187,14 @@ def test_each_subpackage_holds_a_few_modules(unit):
     assert low <= count <= high, f"{unit} has {count} modules ({low}..{high}: merge it or split it)"
 
 
+@pytest.mark.parametrize("package", ["recovery", "recovery.partitioned", "recovery.pipeline"])
+def test_recovery_rooms_hold_a_few_modules(package):
+    directory = ROOT / package.replace(".", "/")
+    count = len([p for p in directory.glob("*.py") if p.name != "__init__.py"])
+    low, high = MODULES_PER_SUBPACKAGE
+    assert low <= count <= high, f"{package} has {count} modules ({low}..{high}: merge it or split it)"
+
+
 def test_the_code_map_names_every_module():
     text = (ROOT / "docs" / "architecture.md").read_text()
     missing = sorted(str(path.relative_to(ROOT)) for path, is_package in MODULES.values()

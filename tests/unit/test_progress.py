@@ -1,7 +1,7 @@
 """Progress of long recoveries: quiet for short ones, log lines when not on a terminal."""
 import logging
 
-from recovery.progress import Progress
+from recovery.pipeline.progress import Progress
 
 
 def test_short_recoveries_say_nothing(caplog):

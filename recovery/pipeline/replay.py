@@ -23,8 +23,8 @@ import time
 import fastio
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.step.apply import GradientBuffers, machine_cores, replay_workers
-from recovery.heapreuse import keep_freed_memory
-from recovery.progress import Progress
+from recovery.pipeline.heapreuse import keep_freed_memory
+from recovery.pipeline.progress import Progress
 
 
 @dataclasses.dataclass
@@ -153,7 +153,7 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     memory = _RecordMemory()
     held = None   # the read buffer of the last record applied (its record is returned)
     # keep_freed_memory: each optimizer step reuses the pages of the temporaries the last one freed
-    # instead of faulting new ones in (recovery.heapreuse: a GPT-2 resume's AdamW steps ran 1.2x (TopK)
+    # instead of faulting new ones in (recovery.pipeline.heapreuse: a GPT-2 resume's AdamW steps ran 1.2x (TopK)
     # to 2x (Dense) faster).
     with keep_freed_memory(), \
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
