@@ -5,7 +5,7 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
-    import socket, torch, torch.distributed as dist
+    import os, socket, sys, torch, torch.distributed as dist
     from lowdiff.step.compress import TopK
     from lowdiff.capture.stepcapture import StepCapture
     with socket.socket() as probe:
@@ -23,6 +23,9 @@ SCRIPT = textwrap.dedent("""
             assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
         model.zero_grad()
     dist.destroy_process_group()
+    # torch 2.13 + gloo may abort at interpreter exit after the teardown (docs/guide.md).
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 

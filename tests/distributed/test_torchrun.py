@@ -70,7 +70,9 @@ def test_outside_torchrun_it_is_init_process_group(tmp_path):
             "lowdiff.init_process_group('gloo')\n"
             "t = torch.ones(1); dist.all_reduce(t)\n"
             "print(dist.get_rank(), dist.get_world_size(), t.item())\n"
-            "dist.destroy_process_group()\n")
+            "dist.destroy_process_group()\n"
+            # (torch 2.13 + gloo may abort at interpreter exit after the teardown: docs/guide.md)
+            "import os, sys; sys.stdout.flush(); os._exit(0)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
