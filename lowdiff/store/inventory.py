@@ -137,9 +137,16 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
     view, adopted, ignored = _adopt(directory, view, unlisted, sizes, skip_other_versions)
     superseded: list = []
     if adopted:
-        notes.append(f"{directory}: {len(adopted)} checkpoint files that {MANIFEST_NAME} does not list verify "
-                     f"and belong to this run (the manifest is older than the files?); using them: "
-                     + ", ".join(adopted[:4]) + (" ..." if len(adopted) > 4 else ""))
+        shown = ", ".join(adopted[:4]) + (" ..." if len(adopted) > 4 else "")
+        if _commit_interrupted(committed, adopted, missing):
+            notes.append(f"{directory}: {len(adopted)} checkpoint file{'s' if len(adopted) > 1 else ''} written "
+                         f"after the last commit of {MANIFEST_NAME} verif{'y' if len(adopted) > 1 else 'ies'} "
+                         f"(the process stopped between writing {'them' if len(adopted) > 1 else 'it'} and "
+                         f"listing {'them' if len(adopted) > 1 else 'it'}); using {shown}")
+        else:
+            notes.append(f"{directory}: {len(adopted)} checkpoint files that {MANIFEST_NAME} does not list verify "
+                         f"and belong to this run, more or older than a stopped commit leaves (was the "
+                         f"manifest put back from a copy?); using them: {shown}")
         # A stale manifest lists files that newer commits, now lost, retired: not damage.
         newest_adopted = max((f.step for f in view.fulls if f.file in adopted), default=-1)
         superseded = [n for n in missing if _step_order(n)[0] < newest_adopted]
@@ -199,6 +206,19 @@ def _adopt(directory: str, view: Manifest, names: list, sizes: dict, skip_other_
             adopted.append(name)
     fulls.sort(key=lambda f: f.step)
     return dataclasses.replace(view, fulls=fulls, batches=batches), adopted, ignored
+
+
+def _commit_interrupted(committed: Manifest, adopted: list, missing: list) -> bool:
+    """Whether the files ``committed`` does not list are what a process stopped mid-commit leaves:
+    each writer thread (differential batches, full checkpoints) puts at most one file in place
+    before the manifest lists it, so at most one of each, none older than what the manifest lists,
+    and nothing listed gone. Anything else (a manifest put back from a copy) is worded apart."""
+    newest = max([f.step for f in committed.fulls] + [b.last for b in committed.batches], default=-1)
+    fulls = [n for n in adopted if FULL_RE.match(n)]
+    batches = [n for n in adopted if DIFF_RE.match(n)]
+    return (not missing and len(fulls) <= 1 and len(batches) <= 1
+            and all(_step_order(n)[0] >= newest for n in fulls)
+            and all(_step_order(n)[0] > newest for n in batches))
 
 
 def _step_order(name: str) -> tuple[int, str]:

@@ -57,18 +57,24 @@ def plan(root: str, stop_step: int | None, views: dict | None = None) -> Survey:
     newest = max([b.last for m in manifests.values() for b in m.batches] +
                  [f.step for m in manifests.values() for f in m.fulls], default=-1)
     every = full_sets(root, manifests)
-    sets = []
+    sets: list[FullSet] = []
     for fset in reversed(every):
         if stop_step is not None and fset.step > stop_step:
             continue
+        # A set older than a complete one is passed over, not fallen back from: an incomplete one
+        # there is retention lag (one rank already retired its share, another not yet), not a fault.
+        fallback = not sets
         if fset.count is None:
-            warn(f"lowdiff: no share of the full checkpoint of step {fset.step} in {root} verifies; "
-                 f"falling back to an older set")
+            if fallback:
+                warn(f"lowdiff: no share of the full checkpoint of step {fset.step} in {root} verifies; "
+                     f"falling back to an older set")
             continue
         if not fset.complete:
             missing = [i for i in range(fset.count) if i not in fset.ranks]
-            warn(f"lowdiff: the full checkpoint of step {fset.step} is incomplete in {root}: shares {missing} of "
-                 f"{fset.count} are not committed (a rank died while writing?); falling back to an older set")
+            if fallback:
+                warn(f"lowdiff: the full checkpoint of step {fset.step} is incomplete in {root}: shares {missing} "
+                     f"of {fset.count} are not committed (a rank died while writing?); falling back to an older "
+                     f"set")
             continue
         entries = [next(f for f in manifests[i].fulls if (f.step, f.session) == (fset.step, fset.session))
                    for i in range(fset.count)]

@@ -229,3 +229,28 @@ def test_missing_rank_directory_is_refused_by_name_and_nothing_is_deleted(tmp_pa
     assert cli(["inspect", str(one)]) == 0
     assert "rank-00001: MISSING" in capsys.readouterr().out
     assert checkpoint_files(one / "rank-00000") == files and not os.path.exists(missing)
+
+
+def test_an_incomplete_set_older_than_a_complete_one_is_not_called_a_fault(tmp_path, stopped, capsys, caplog):
+    """Issue #33, 3: after a clean close, one rank may already have retired its share of an old set
+    that another still lists (retention lag). Resume and verify warned "incomplete ... a rank died
+    while writing?; falling back" although no rank died and nothing fell back. Only a set newer than
+    every complete one is a fallback worth a warning."""
+    copy = copy_directory(stopped, tmp_path / "lag")
+    rank1 = str(copy / "rank-00001")
+    manifest = read_manifest(rank1)
+    oldest = min(manifest.fulls, key=lambda f: f.step)
+    assert oldest.step < max(f.step for f in manifest.fulls)
+    manifest.fulls.remove(oldest)
+    write_manifest(rank1, manifest)                  # rank 1 retired its share first ...
+    os.unlink(os.path.join(rank1, oldest.file))     # ... and deleted it; rank 0 still lists its own
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        assert int(recovery.resume(str(copy), model, opt)) == STOP
+        capsys.readouterr()
+        assert cli(["verify", str(copy)]) == 0
+    said = [r.getMessage() for r in caplog.records] + [capsys.readouterr().out]
+    assert any("per-rank state" in m for m in said), said          # (what a 1-rank resume does say)
+    assert not any("incomplete" in m or "falling back" in m for m in said), said
