@@ -111,8 +111,7 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
     dead_temps = tuple(n for n in sizes if is_dead_temp(n))
     foreign = committed is not None and bool(checkpoint_names) and bool(committed.files()) and \
         not committed.files() & set(checkpoint_names) and \
-        (committed.run is None or committed.run != _newest_run(directory, [n for n in checkpoint_names
-                                                                             if FULL_RE.match(n)]))
+        (committed.run is None or committed.run != _newest_run(directory, checkpoint_names))
     if foreign:  # (the same run's manifest listing none of the files is merely stale: adopted below)
         notes.append(f"{os.path.join(directory, MANIFEST_NAME)} lists none of the {len(checkpoint_names)} "
                      f"checkpoint files in {directory} (a manifest of another directory?); "
@@ -121,7 +120,7 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
     if committed is None:
         if data is None and checkpoint_names:
             notes.append(f"{os.path.join(directory, MANIFEST_NAME)} is missing; rebuilt it from the files")
-        run = _newest_run(directory, [n for n in checkpoint_names if FULL_RE.match(n)])
+        run = _newest_run(directory, checkpoint_names)
         view, adopted, ignored = _adopt(directory, Manifest(run=run), checkpoint_names, sizes, skip_other_versions)
         view = dataclasses.replace(view, rebuilt=True)
         notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
@@ -159,7 +158,7 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
     ignored += skipped
     notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
     if view.run is None:  # a manifest written before runs existed
-        view = dataclasses.replace(view, run=_newest_run(directory, [f.file for f in view.fulls]))
+        view = dataclasses.replace(view, run=_newest_run(directory, sorted(view.files())))
     return Inventory(view, data, tuple(adopted), tuple(missing), tuple(superseded), False, tuple(ignored),
                      retired_present, dead_temps, tuple(notes))
 
@@ -319,14 +318,19 @@ def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
                                            + "; ".join(problems))
 
 
-def _newest_run(directory: str, full_names: list) -> str | None:
-    """The run of the newest full checkpoint among ``full_names`` that verifies (None if unknown):
-    without a manifest, the run a directory continues is the one its newest state belongs to."""
-    for name in sorted(full_names, key=_step_order, reverse=True):
+def _newest_run(directory: str, names: list) -> str | None:
+    """The run of the newest checkpoint file among ``names`` that verifies and carries one (None
+    if none does): without a manifest, the run a directory continues is the one its newest state
+    belongs to. Every file kind carries it (full checkpoints, batches, shares), so a directory that
+    lost its full checkpoints still proves its run by its batches."""
+    for name in sorted(names, key=_step_order, reverse=True):
+        path = os.path.join(directory, name)
         try:
-            return _read_full_index(os.path.join(directory, name)).run
+            _, run = _describe(path, name, os.path.getsize(path))
         except (CorruptCheckpointError, VersionMismatchError, OSError, EOFError):
             continue
+        if run is not None:
+            return run
     return None
 
 

@@ -339,3 +339,28 @@ def test_a_dead_writers_tiers_marker_temporary_is_removed_at_open(tmp_path):
     run_to(local, Tiers(str(tmp_path / "shared")), 2)
     assert not stray.exists() and live.exists()
     assert (local / "TIERS.json").exists()
+
+
+@pytest.mark.parametrize("manifest", ["missing", "stale"])
+def test_local_tier_with_only_batches_left_defers_to_its_own_shared_tier(tmp_path, reference, manifest):
+    """Issue #33, 2: the local tier lost its full checkpoints (only differential batches left) and
+    its manifest is missing or stale: every restart failed with 'the shared tier belongs to another
+    training run' although the shared tier is the same run and reaches the newest step. The run is
+    read from every file that carries it (batches too), and the restart continues exactly."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    tiers = Tiers(str(shared), shared=KeepAll())
+    run_to(local, tiers, 8)
+    shutil.copy(local / "MANIFEST.json", tmp_path / "stale.json")   # lists files retired by step 20
+    run_to(local, tiers, 20)
+    for name in checkpoint_files(local):
+        if name.startswith("full-"):
+            os.unlink(local / name)
+    if manifest == "missing":
+        os.unlink(local / "MANIFEST.json")
+    else:
+        shutil.copy(tmp_path / "stale.json", local / "MANIFEST.json")
+    assert any(n.startswith("diff-") for n in checkpoint_files(local))
+    start = run_to(local, tiers, STEPS)
+    assert int(start) == 20 and start.tier == "shared"
+    got, digest = resume_digest(local, shared)
+    assert int(got) == STEPS and digest == reference[STEPS]
