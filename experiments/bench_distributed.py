@@ -68,7 +68,7 @@ import lowdiff  # noqa: E402
 from lowdiff.distributed.ddp import CompressedAllReduce  # noqa: E402
 from lowdiff.distributed.sharesnapshot import ShareSnapshot  # noqa: E402
 from lowdiff.format.fullckpt import Snapshot  # noqa: E402
-from lowdiff.format.schema import PAGE  # noqa: E402
+from lowdiff.format.schema import PAGE, TrainedWith  # noqa: E402
 from lowdiff.step.compress import TopK  # noqa: E402
 
 TARGET_BYTES = 1.05
@@ -85,8 +85,7 @@ def synthetic_state(state_bytes: int):
                      for i in range(8)}, "param_groups": [{"lr": 1e-3, "params": list(range(8))}]}
     state = {"model": model, "optimizer": opt, "scheduler": None, "extra": {}, "rng": {}, "residuals": {},
              "grad_scaler": None}
-    meta = {"param_names": list(model), "param_aliases": {k: i for i, k in enumerate(model)},
-            "optimizer_class": "torch.optim.AdamW", "compressor": "Dense()"}
+    meta = TrainedWith(tuple(model), {k: i for i, k in enumerate(model)}, "torch.optim.AdamW", "Dense()")
     return state, meta
 
 

@@ -16,6 +16,7 @@ import torch
 from lowdiff.distributed.ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
 from lowdiff.format import tree
 from lowdiff.format.records import StepRecord
+from lowdiff.format.schema import TrainedWith
 from lowdiff.step import boundary as capture
 from lowdiff.step.compress import Compressed, decompress_into
 
@@ -148,7 +149,7 @@ class StepCapture:
         numbers, advanced the sampler and updated BatchNorm statistics: it needs the state before."""
         self._base_boundary = self.capture_boundary()
 
-    def base_checkpoint(self) -> tuple[dict, dict]:
+    def base_checkpoint(self) -> tuple[dict, TrainedWith]:
         """(state, meta) of the base checkpoint: the boundary from ``capture_base_boundary`` (used
         once) with the current parameters, optimizer, scheduler and grad scaler."""
         boundary, self._base_boundary = self._base_boundary, None
@@ -159,7 +160,7 @@ class StepCapture:
             boundary["grad_scaler"] = {"state": self.grad_scaler.state_dict(), "found_inf": None}
         return self.full_checkpoint(boundary)
 
-    def full_checkpoint(self, boundary: dict) -> tuple[dict, dict]:
+    def full_checkpoint(self, boundary: dict) -> tuple[dict, TrainedWith]:
         """(state, meta) of a full checkpoint at this iteration boundary. ``boundary`` holds the
         small objects captured there (a step's record has them), including copies of the buffers,
         which the next forward pass changes in place while the parameters and optimizer state
@@ -173,9 +174,9 @@ class StepCapture:
             "residuals": dict(self.residuals),
             "grad_scaler": boundary.get("grad_scaler"),
         }
-        meta = {"param_names": self.param_names, "param_aliases": self.param_aliases,
-                "optimizer_class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
-                "compressor": repr(self.compressor)}
+        meta = TrainedWith(tuple(self.param_names), self.param_aliases,
+                           f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+                           repr(self.compressor))
         return state, meta
 
     def state_nbytes(self) -> int:

@@ -37,7 +37,8 @@ class ShareSnapshot(Snapshot):
         """Copy this share's bytes of the shared tensors and this rank's own tensors into staging,
         each piece's CRC-32C computed in the same pass (one GIL-free call)."""
         tensors, _ = self._staged
-        aliases = self.meta["param_aliases"]
+        assert self.meta is not None, "stage() records what the checkpoint was trained with"
+        aliases = self.meta.param_aliases
         # Device or non-contiguous tensors are brought to contiguous host memory first (on the
         # training thread: copyable_in_background() refuses them).
         sources = {key: t if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
@@ -92,13 +93,12 @@ class ShareSnapshot(Snapshot):
                                         key=e.key, dtype=e.dtype, shape=e.shape) for e in own)
         objects = tree.dumps(self._skeleton)
         meta = self.meta
+        assert meta is not None, "stage() records what the checkpoint was trained with"
         layout_json = tuple({"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
                              "nbytes": e.nbytes} for e in layout)
 
         def make_index(objects_section):
             return FullShareIndex(self.step, session, run, self.index, self.count, shared_bytes, layout_json,
-                                  piece_entries, own_bytes, own_entries, objects_section,
-                                  tuple(meta["param_names"]), meta["param_aliases"], meta["optimizer_class"],
-                                  meta["compressor"])
+                                  piece_entries, own_bytes, own_entries, objects_section, *meta.fields())
         body = self._buffer.view(0, self._body_bytes)
         return write_full_share(path, body, objects, make_index, engine=engine, before_commit=before_commit)

@@ -26,6 +26,7 @@ from lowdiff.format.schema import (
     FullState,
     Section,
     TensorEntry,
+    TrainedWith,
 )
 
 
@@ -87,9 +88,9 @@ class Snapshot:
         self._destinations = None  # (entries, staging views) of the last copy
         self._staged = None        # (tensors, versions) between stage() and release_sources()
         self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
-        self.meta: dict = {}
+        self.meta: TrainedWith | None = None
 
-    def stage(self, step: int, state: dict, meta: dict) -> None:
+    def stage(self, step: int, state: dict, meta: TrainedWith) -> None:
         """Record what to copy: ``state`` (nested dicts/lists of tensors and plain values).
 
         The skeleton is final here: split_tensors builds every container afresh and its leaves
@@ -182,11 +183,10 @@ class Snapshot:
                                     key=e.key, dtype=e.dtype, shape=e.shape)
                         for e in self.entries)
         meta = self.meta
+        assert meta is not None, "stage() records what the checkpoint was trained with"
 
         def make_index(objects_section: Section) -> FullIndex:
-            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section,
-                             tuple(meta["param_names"]), meta["param_aliases"], meta["optimizer_class"],
-                             meta["compressor"])
+            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, *meta.fields())
         return write_full_file(path, container.KIND_FULL, payload, objects, make_index, engine=engine,
                                before_commit=before_commit)
 

@@ -122,6 +122,21 @@ class Section(Checksummed):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainedWith:
+    """What a full checkpoint records of the objects it was taken from, built by the capture and
+    written into the index (its fields are FullMeta's last four; docs/format.md)."""
+
+    param_names: tuple        # model names of the optimizer's parameters, in param_groups order
+    param_aliases: dict       # state-dict key -> parameter position (tied weights)
+    optimizer_class: str      # import path of the optimizer class
+    compressor: str           # repr of the compressor
+
+    def fields(self) -> tuple:
+        """(param_names, param_aliases, optimizer_class, compressor): the index constructors' order."""
+        return tuple(self.param_names), self.param_aliases, self.optimizer_class, self.compressor
+
+
+@dataclasses.dataclass(frozen=True)
 class FullMeta:
     """What a full checkpoint's index and a full-checkpoint share's index both carry (declared
     once here; lowdiff.format.sharefile adds the share's fields)."""

@@ -17,6 +17,7 @@ from lowdiff import faults
 from lowdiff.format.batchfile import write_batch
 from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import encode_record
+from lowdiff.format.schema import TrainedWith
 
 
 class _ErrorSlot:
@@ -318,7 +319,7 @@ class FullWriter:
         self._pending_copy: _BackgroundCopy | None = None
         self._stall_s = 0.0
 
-    def take(self, step: int, state: dict, meta: dict, base: bool) -> None:
+    def take(self, step: int, state: dict, meta: TrainedWith, base: bool) -> None:
         """Stage ``state`` and persist it in the background; the copy into staging happens here
         (blocking) or, with ``background_copy``, on the persist thread. Waits first for the
         previous persist (its staging memory is reused)."""

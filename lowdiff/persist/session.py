@@ -12,6 +12,7 @@ from collections.abc import Callable
 from lowdiff.control.controller import Controller
 from lowdiff.distributed.shareretention import DroppedRanks
 from lowdiff.errors import CheckpointError
+from lowdiff.format.schema import TrainedWith
 from lowdiff.persist.background import DiffWriter, FullWriter
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.tiers.drainer import open_tiers
@@ -118,7 +119,7 @@ class CheckpointSession:
         """Without differentials: the boundary objects of ``step``, for ``save_unrecorded``."""
         self._unrecorded = (step, objects)
 
-    def save_unrecorded(self, full_checkpoint: Callable[[dict], tuple[dict, dict]]) -> None:
+    def save_unrecorded(self, full_checkpoint: Callable[[dict], tuple[dict, TrainedWith]]) -> None:
         """Without differentials the steps after the last full checkpoint are only in memory (flush
         and close must make them durable): take a full checkpoint of the newest one now, with
         ``full_checkpoint(objects)`` (lowdiff.capture.stepcapture) building its state."""
@@ -127,7 +128,7 @@ class CheckpointSession:
             self._unrecorded = None
             self.take_full(step, *full_checkpoint(objects), base=False)
 
-    def take_full(self, step: int, state: dict, meta: dict, base: bool) -> None:
+    def take_full(self, step: int, state: dict, meta: TrainedWith, base: bool) -> None:
         """Persist ``state`` (see lowdiff.capture.stepcapture) as the full checkpoint of ``step`` in the
         background; ``base`` for the first one of this run."""
         self._last_full_step = step

@@ -21,7 +21,7 @@ from lowdiff.format import container
 from lowdiff.format.batchfile import write_batch
 from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import StepRecord, encode_record
-from lowdiff.format.schema import FORMAT_VERSION, Section, TensorEntry
+from lowdiff.format.schema import FORMAT_VERSION, Section, TensorEntry, TrainedWith
 from lowdiff.format.sharefile import (
     FullShareIndex,
     Piece,
@@ -199,8 +199,7 @@ def lowdiff_writes_every_kind(directory) -> dict:
     state = {"model": {"w": torch.tensor(W), "v": torch.zeros(10)},
              "optimizer": {"state": {}, "param_groups": [sgd_group()]}, "scheduler": None, "extra": {},
              "rng": {}, "residuals": {}, "grad_scaler": None}
-    snapshot.stage(0, state, {"param_names": ["w", "v"], "param_aliases": {"w": 0, "v": 1},
-                              "optimizer_class": "torch.optim.sgd.SGD", "compressor": "TopK(ratio=0.2)"})
+    snapshot.stage(0, state, TrainedWith(("w", "v"), {"w": 0, "v": 1}, "torch.optim.sgd.SGD", "TopK(ratio=0.2)"))
     snapshot.copy(on_training_thread=True)
     snapshot.persist(str(directory / FULL_NAME), SESSION, run=RUN)
 
