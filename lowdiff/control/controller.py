@@ -60,6 +60,13 @@ __all__ = ["AUTO_INITIAL_BATCH_STEPS", "AUTO_INITIAL_FULL_EVERY", "PROBE_MIN_FUL
 log = logging.getLogger("lowdiff")
 
 
+def _of_policy(name: str, doc: str, writable: bool = False) -> Any:
+    """A Controller attribute that is its policy's (the facade keeps the names its callers use).
+    (A property, typed Any so that each attribute's annotation in the class states its type.)"""
+    return property(lambda self: getattr(self.policy, name),
+                    (lambda self, value: setattr(self.policy, name, value)) if writable else None, doc=doc)
+
+
 class Controller:
     """The measurements of one run and the settings chosen from them (see the module docstring):
     ``meter`` (a CostMeter) and ``policy`` (a Policy) behind one lock."""
@@ -78,31 +85,18 @@ class Controller:
         self._unsaved = False                    # a decision or probe since CONTROLLER.json was written
         self._save_lock = threading.Lock()       # one writer of CONTROLLER.json at a time
 
-    # the settings in force (the policy's) ---------------------------------------
-    @property
-    def full_every(self) -> int:
-        return self.policy.full_every
-
-    @full_every.setter
-    def full_every(self, value: int) -> None:
-        self.policy.full_every = value
-
-    @property
-    def batch_steps(self) -> int:
-        return self.policy.batch_steps
-
-    @batch_steps.setter
-    def batch_steps(self, value: int) -> None:
-        self.policy.batch_steps = value
-
-    @property
-    def differentials_wanted(self) -> bool:
-        """Whether differentials are wanted (the session switches at a full checkpoint)."""
-        return self.policy.differentials_wanted
-
-    @differentials_wanted.setter
-    def differentials_wanted(self, value: bool) -> None:
-        self.policy.differentials_wanted = value
+    # the settings in force and the decisions: the policy's, read (and some set) through here --------
+    full_every: int = _of_policy("full_every", "The full-checkpoint interval in force.", writable=True)
+    batch_steps: int = _of_policy("batch_steps", "The differential batch size in force.", writable=True)
+    differentials_wanted: bool = _of_policy(
+        "differentials_wanted", "Whether differentials are wanted (the session switches at a full checkpoint).",
+        writable=True)
+    auto_full: bool = _of_policy("auto_full", "Whether full_every is the controller's to choose.")
+    auto_batch: bool = _of_policy("auto_batch", "Whether batch_steps is the controller's to choose.")
+    auto_differentials: bool = _of_policy("auto_differentials", "Whether differentials are the controller's.")
+    history: list[Decision] = _of_policy("history", "The decisions of this session, oldest first.")
+    current: Evaluation | None = _of_policy("current", "The model's prediction for the settings in force.")
+    probes: int = _of_policy("probes", "Probes that gave a sample in this session.")
 
     @property
     def differentials(self) -> bool:
@@ -114,32 +108,6 @@ class Controller:
     @differentials.setter
     def differentials(self, value: bool) -> None:
         self.policy.differentials_wanted = bool(value)
-
-    @property
-    def auto_full(self) -> bool:
-        return self.policy.auto_full
-
-    @property
-    def auto_batch(self) -> bool:
-        return self.policy.auto_batch
-
-    @property
-    def auto_differentials(self) -> bool:
-        return self.policy.auto_differentials
-
-    @property
-    def history(self) -> list[Decision]:
-        return self.policy.history
-
-    @property
-    def current(self) -> Evaluation | None:
-        """The model's prediction for the settings in force."""
-        return self.policy.current
-
-    @property
-    def probes(self) -> int:
-        """Probes that gave a sample in this session."""
-        return self.policy.probes
 
     @property
     def _windows(self) -> dict[str, Window]:
