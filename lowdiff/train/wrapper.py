@@ -325,7 +325,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._session.mark_resumed()
         self.step_count = step
         self._capture.restart(residuals)
-        self._between.boundary_passed(step, None)
+        if step > 0:    # a restored state: its first window is compared with the next (betweensteps)
+            self._between.resumed(step, self._capture.restored_boundary)
+        else:
+            self._between.boundary_passed(step, None)
 
     # ------------------------------------------------------------ durability
     def stats(self) -> dict[str, Any]:
