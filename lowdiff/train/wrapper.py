@@ -91,6 +91,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
         loopchecks.refuse_unreplayable(optimizer, model, scheduler)
         loopchecks.warn_unsaved_scheduler(optimizer, scheduler, extra_state)
+        loopchecks.warn_inexact_loaders(extra_state or {})
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
             fastio.engine()
