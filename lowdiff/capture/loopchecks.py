@@ -21,6 +21,7 @@ a way whose saved state does not resume exactly (torchdata 0.11; the guide's rec
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import types
 import warnings
@@ -175,3 +176,36 @@ def warn_inexact_loaders(extra_state: dict) -> None:
         if why:
             warnings.warn(f"lowdiff: extra_state[{name!r}] (StatefulDataLoader) does not resume exactly as built: "
                           f"{'; and '.join(why)}. To make it exact, {_STATEFUL_RECIPE}", RuntimeWarning, stacklevel=4)
+
+
+_OURS_AND_TORCHS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def step_scheduler_of_skipped(scheduler, step: int) -> None:
+    """Step ``scheduler`` after a step the GradScaler skipped. torch warns then (on the first
+    step) that the scheduler stepped before the optimizer: the plain loop ``scaler.step(opt);
+    sched.step()`` gets the same warning at the user's ``sched.step()`` line; here it would point
+    into lowdiff. It is said again at the user's line (the first frame outside lowdiff and torch),
+    explained; any other warning the step gives is passed on as it was."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")    # recorded, not raised, whatever the caller's filters say
+        scheduler.step()
+    for w in caught:
+        if str(w.message).startswith("Detected call of `lr_scheduler.step()` before `optimizer.step()`"):
+            warnings.warn(f"{w.message} (lowdiff: the GradScaler skipped step {step} — inf/NaN gradients, the "
+                          f"optimizer did not step — and lowdiff stepped the scheduler after it, as the loop "
+                          f"scaler.step(opt); sched.step() does without lowdiff, which gets this warning too: it is "
+                          f"about the skipped step, the order is right, and the checkpoints record it as it happened)",
+                          w.category, stacklevel=_outside(2))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _outside(level: int) -> int:
+    """The stacklevel, seen from a function ``level`` frames below this one's caller, of the first
+    frame outside lowdiff and torch."""
+    frame: types.FrameType | None = sys._getframe(level)
+    while frame is not None and frame.f_code.co_filename.startswith(_OURS_AND_TORCHS):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -234,7 +234,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             optimizer_s = time.perf_counter() - started
             session.controller.step_finished(optimizer_s, recording)
             if self.scheduler is not None:
-                self.scheduler.step()
+                if skipped:   # torch's warning about it would point here: said at the user's line
+                    loopchecks.step_scheduler_of_skipped(self.scheduler, self.step_count)
+                else:
+                    self.scheduler.step()
         except BaseException:
             session.step_failed(False)
             if replica is not None:

@@ -46,3 +46,23 @@ def test_a_bare_sampler_or_loader_in_extra_state_is_refused_naming_resumable_loa
     with pytest.raises(TypeError, match=r"has no state_dict\(\)/load_state_dict\(\): to save the data order, pass "
                                         r"lowdiff.ResumableLoader\(DataLoader\(\.\.\.\)\) instead"):
         lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, tmp_path, extra_state={"data": make()})
+
+
+def test_torchs_scheduler_warning_after_a_skipped_first_step_points_at_the_users_line(tmp_path):
+    """A GradScaler that skips the first step: torch warns that the scheduler stepped before the
+    optimizer. Without lowdiff the warning points at the loop's sched.step(); through lowdiff it
+    pointed into lowdiff/train/wrapper.py. It now points at the loop's scaler.step(opt), explained."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    opt = lowdiff.wrap(inner, model, tmp_path, scheduler=sched, grad_scaler=scaler)
+    loss = model(torch.ones(2, 4)).sum() * float("inf")
+    scaler.scale(loss).backward()
+    torchs = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+    with pytest.warns(UserWarning, match=torchs) as seen:
+        scaler.step(opt)                                   # the user's line
+    opt.close()
+    assert [w.filename for w in seen] == [__file__]
+    assert "(lowdiff: the GradScaler skipped step 1" in str(seen[0].message)
