@@ -352,8 +352,17 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
     @property
     def durable_step(self) -> int:
-        """The newest step that is on disk and can be resumed (-1 before the first commit)."""
+        """The newest step that is on disk and can be resumed (-1 before the first commit). With
+        storage tiers, on the local tier: see ``shared_durable_step``."""
         return self._session.durable_step()
+
+    @property
+    def shared_durable_step(self) -> int | None:
+        """With storage tiers, the newest step the shared tier alone can be resumed at: what
+        survives losing the local directory. It trails ``durable_step`` by what the drainer has not
+        copied yet, at most about ``Tiers(max_lag_steps=...)`` steps plus two batches (``step()``
+        waits beyond that). None without tiers; -1 before the shared tier's first commit."""
+        return self._session.shared_durable_step()
 
     def flush(self) -> None:
         """Block until every recorded step (and any full checkpoint in progress) is durable.
