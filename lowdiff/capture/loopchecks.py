@@ -168,8 +168,8 @@ def warn_inexact_loaders(extra_state: dict) -> None:
         if type(sampler) is torch.utils.data.RandomSampler:
             why.append("its sampler is torch's RandomSampler, which has no state: the loader replays it from its "
                        "generator's current state to skip the consumed batches, which is another permutation")
-        elif (getattr(sampler, "generator", None) is not None and sampler.generator is loader.generator
-              and not loader.num_workers):
+        elif (getattr(sampler, "generator", None) is not None and getattr(sampler, "generator", None) is
+              loader.generator and not loader.num_workers):
             why.append("shuffle=True with generator=g shuffles from the generator that also gives each epoch's "
                        "base seed; its saved state misses that draw, so with num_workers=0 every epoch after the "
                        "resumed one is shuffled differently (torchdata 0.11)")

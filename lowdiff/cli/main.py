@@ -190,7 +190,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from lowdiff.control.meter import measured_costs
 
     stats: dict = {}
-    fixed = FIXED_CHOICES
+    fixed: tuple[tuple[int, int], ...] = FIXED_CHOICES
     if args.stats and args.directory:
         raise ValueError("give a checkpoint directory or --stats, not both")
     if args.stats:
@@ -202,11 +202,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.directory:
         measured, settings = measured_costs(args.directory)
         stats = {"controller": {"costs": dataclasses.asdict(measured)}}
-        run = (settings.get("full_every"), settings.get("batch_steps"))
+        run: tuple = (settings.get("full_every"), settings.get("batch_steps"))
         print(f"{args.directory}: costs its runs measured (CONTROLLER.json); they ran with full_every {run[0]}, "
               f"batch_steps {run[1]}")
         if all(isinstance(v, int) for v in run):
-            fixed = ((run[0], run[1]),) + tuple(f for f in FIXED_CHOICES if f != run)
+            fixed = ((int(run[0]), int(run[1])),) + tuple(f for f in FIXED_CHOICES if f != run)
     flags = {name: getattr(args, name) for name in ("step_s", "stall_s", "persist_s", "replay_s", "load_s",
                                                     "record_s", "batch_fixed_s", "diff_bytes_per_step",
                                                     "write_bytes_per_s", "restart_s")}
