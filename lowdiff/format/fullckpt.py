@@ -78,7 +78,11 @@ class Snapshot:
     optimizer step, and ``modified_since_stage`` tells whether anything did anyway.
     """
 
+    # Whether ``device_copy`` is used: CUDA tensors copied off the training thread through it.
+    supports_device_copy = True
+
     def __init__(self):
+        self.device_copy = None    # copy(destinations, sources) for CUDA sources (lowdiff.persist.pinned)
         self._buffer: fastio.AlignedBuffer | None = None
         self.spare: fastio.AlignedBuffer | None = None  # pre-faulted in the background by prepare()
         self.step = -1
@@ -100,13 +104,19 @@ class Snapshot:
         self.step, self._skeleton, self.meta = step, skeleton, meta
         self._staged = (tensors, _version_counters(t for _, t in tensors))
 
+    def staged_tensors(self) -> list:
+        """The live tensors ``stage`` recorded (until ``release_sources``)."""
+        return [t for _, t in self._staged[0]] if self._staged is not None else []
+
     def copyable_in_background(self) -> bool:
         """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense,
         contiguous and without a lazy conjugate/negative bit (so its bytes are its values and a
-        plain memcpy reads it), and has a version counter to check."""
+        plain memcpy reads it), and has a version counter to check. CUDA tensors qualify too when a
+        ``device_copy`` is set."""
         tensors, versions = self._staged
+        devices = ("cpu", "cuda") if self.device_copy is not None else ("cpu",)
         return versions is not None and all(
-            t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            t.device.type in devices and t.layout == torch.strided and t.is_contiguous()
             and not t.is_conj() and not t.is_neg() for _, t in tensors)
 
     def copy(self, on_training_thread: bool) -> None:
@@ -131,6 +141,9 @@ class Snapshot:
         with torch.no_grad():
             if not sources:
                 pass
+            elif not on_training_thread and self.device_copy is not None and any(
+                    src.device.type != "cpu" for src in sources):
+                self.device_copy(destinations, sources)   # checksums: computed by persist()
             elif not on_training_thread:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each
