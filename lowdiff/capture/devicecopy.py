@@ -25,6 +25,7 @@ record's recorded bytes.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class CudaCopyEngine(CopyEngine):
 @dataclasses.dataclass
 class _Ready:
     """The writer's wait for one record's copies (idempotent; drops the event once waited for)."""
-    event: object
+    event: Any
 
     def __call__(self) -> None:
         if self.event is not None:

@@ -82,7 +82,9 @@ class Snapshot:
     supports_device_copy = True
 
     def __init__(self):
-        self.device_copy = None    # copy(destinations, sources) for CUDA sources (lowdiff.persist.pinned)
+        # For CUDA sources: an object with handles(tensor) and copy(destinations, sources), which
+        # copies them off the training thread (lowdiff.persist.pinned.PinnedStaging).
+        self.device_copy = None
         self._buffer: fastio.AlignedBuffer | None = None
         self.spare: fastio.AlignedBuffer | None = None  # pre-faulted in the background by prepare()
         self.step = -1
@@ -114,9 +116,10 @@ class Snapshot:
         plain memcpy reads it), and has a version counter to check. CUDA tensors qualify too when a
         ``device_copy`` is set."""
         tensors, versions = self._staged
-        devices = ("cpu", "cuda") if self.device_copy is not None else ("cpu",)
+        device_copy = self.device_copy
         return versions is not None and all(
-            t.device.type in devices and t.layout == torch.strided and t.is_contiguous()
+            (t.device.type == "cpu" or (device_copy is not None and device_copy.handles(t)))
+            and t.layout == torch.strided and t.is_contiguous()
             and not t.is_conj() and not t.is_neg() for _, t in tensors)
 
     def copy(self, on_training_thread: bool) -> None:
@@ -142,8 +145,8 @@ class Snapshot:
             if not sources:
                 pass
             elif not on_training_thread and self.device_copy is not None and any(
-                    src.device.type != "cpu" for src in sources):
-                self.device_copy(destinations, sources)   # checksums: computed by persist()
+                    self.device_copy.handles(src) for src in sources):
+                self.device_copy.copy(destinations, sources)   # checksums: computed by persist()
             elif not on_training_thread:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each

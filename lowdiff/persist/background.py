@@ -323,7 +323,7 @@ class FullWriter:
         self._pinned = PinnedStaging() if torch.cuda.is_available() and self._snapshot.supports_device_copy \
             else None
         if self._pinned is not None:
-            self._snapshot.device_copy = self._pinned.copy
+            self._snapshot.device_copy = self._pinned
         self._worker = _Worker("lowdiff-full-writer")
         self._errors = _ErrorSlot(store.durable_step)
         self._pending_copy: _BackgroundCopy | None = None

@@ -67,6 +67,10 @@ class CudaRing:
         self._streams: dict = {}
         self._marks: list = []
 
+    @staticmethod
+    def handles(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
     def slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -121,16 +125,21 @@ class PinnedStaging:
         """The most pinned host memory this ring ever holds."""
         return self.chunk_bytes * self.slots
 
+    def handles(self, tensor: torch.Tensor) -> bool:
+        """Whether ``copy`` moves ``tensor`` through the ring (a CUDA tensor)."""
+        return self._ring.handles(tensor)
+
     def mark(self, tensors) -> None:
-        self._ring.mark(sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str))
+        """Training thread, at the boundary: what the copy must wait for (see the module doc)."""
+        self._ring.mark(sorted({t.device for t in tensors if self._ring.handles(t)}, key=str))
 
     def copy(self, destinations: list, sources: list) -> None:
         """Persist thread: copy each ``sources[i]`` (contiguous; CPU ones directly) into
         ``destinations[i]`` (host memory of the same bytes), device ones through the ring."""
-        on_device = [i for i, src in enumerate(sources) if src.device.type != "cpu"]
+        on_device = [i for i, src in enumerate(sources) if self._ring.handles(src)]
         with torch.no_grad():
             for dst, src in zip(destinations, sources):
-                if src.device.type == "cpu":
+                if not self._ring.handles(src):
                     dst.copy_(src)
             if not on_device:
                 return
@@ -142,17 +151,18 @@ class PinnedStaging:
             in_flight: collections.deque = collections.deque()
             for n, chunk in enumerate(plan_chunks([s.numel() for s in src_bytes], self.chunk_bytes)):
                 if len(in_flight) == self.slots:
-                    self._drain(*in_flight.popleft(), dst_bytes)
+                    self._drain(in_flight.popleft(), dst_bytes)
                 slot = self._slots[n % self.slots]
                 for index, start, length, offset in chunk:
                     self._ring.copy_async(slot[offset:offset + length], src_bytes[index][start:start + length])
                 devices = {src_bytes[index].device for index, _, _, _ in chunk}
                 in_flight.append((slot, chunk, [self._ring.record_done(d) for d in sorted(devices, key=str)]))
             while in_flight:
-                self._drain(*in_flight.popleft(), dst_bytes)
+                self._drain(in_flight.popleft(), dst_bytes)
 
-    def _drain(self, slot: torch.Tensor, chunk: list, done: list, dst_bytes: list) -> None:
-        """Wait for ``chunk`` to land in ``slot``, then move it into staging (GIL released)."""
+    def _drain(self, entry: tuple, dst_bytes: list) -> None:
+        """Wait for ``entry``'s chunk to land in its slot, then move it into staging (GIL released)."""
+        slot, chunk, done = entry
         for event in done:
             event.synchronize()
         base = slot.data_ptr()
