@@ -199,3 +199,18 @@ def test_run_through_fake_device_copies_resumes_exactly(tmp_path):
         assert torch.equal(a, b)
     for sa, sb in zip(ref_opt.state_dict()["state"].values(), opt.state_dict()["state"].values()):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------- replica of a GPU model
+def test_cpu_replica_of_a_gpu_model_is_refused_unless_accepted():
+    from types import SimpleNamespace
+
+    from lowdiff.persist.replica import check_replica_arguments
+    # A stand-in for a CUDA parameter (no GPU here; tests/gpu/test_cuda_resume.py uses a real one).
+    on_gpu = [SimpleNamespace(device=torch.device("cuda", 0))]
+    with pytest.raises(ValueError, match="allow_inexact_gpu=True"):
+        check_replica_arguments(lowdiff.Dense(), on_gpu)
+    check_replica_arguments(lowdiff.Dense(), on_gpu, allow_inexact_gpu=True)
+    check_replica_arguments(lowdiff.Dense(), [torch.zeros(1)])
+    with pytest.raises(ValueError, match="allow_inexact_gpu"):
+        lowdiff.Replica(allow_inexact_gpu=1)
