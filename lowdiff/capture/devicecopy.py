@@ -4,15 +4,15 @@ without a synchronisation in ``step()``.
 On the CPU a record's tensors are handed to the differential writer as they are. On CUDA the
 writer thread would otherwise call ``.cpu()`` on each (a blocking copy on the default stream, and
 device memory held by every record not yet written). Here, at the iteration boundary, the training
-thread only *enqueues*: a side stream waits for the work that produced the tensors (an event on the
-compute stream), copies them into pinned host tensors with ``non_blocking=True`` and records an
-event; the record carries host tensors and a ``ready`` callable, which the writer thread calls
+thread only *enqueues*: the tensors are joined on the device (one per dtype), a side stream waits
+for the compute stream, copies each joined tensor into a pinned host tensor with
+``non_blocking=True`` and records an event; the record carries host tensors and a ``ready`` callable, which the writer thread calls
 (``Event.synchronize``) before it reads them. ``step()`` never waits for the copy.
 
 Why the source tensors are safe: what a compressor records is a tensor of its own (TopK's
 ``index_select`` values and ``topk`` indices, Dense's and DDP's ``clone``), never the live
 ``.grad`` that the next backward accumulates into, so nothing writes them after the copy is
-enqueued. Their memory is returned to torch's caching allocator when the record drops them, which
+enqueued; the joined tensors are new too. Their memory is returned to torch's caching allocator when the record drops them, which
 would let the compute stream reuse it while the side stream still reads it: ``record_stream``
 tells the allocator to wait for the side stream first.
 
@@ -93,21 +93,37 @@ class DeviceCopy:
         devices = {p.device for p in params if p.device.type == "cuda"}
         return next(iter(devices)) if len(devices) == 1 and torch.cuda.is_available() else None
 
+    def _moved(self, t) -> bool:
+        # Plain tensors on our device only (a DTensor's shape is not its local shape).
+        return type(t) is torch.Tensor and t.device == self.device
+
     def to_host(self, grads: list) -> tuple[list, _Ready | None]:
-        """``grads`` (``Compressed``) with every tensor on ``self.device`` replaced by a pinned host
-        copy in flight, and the wait for those copies (None when nothing was on the device)."""
-        on_device = [g for g in grads if g.values is not None and g.values.device == self.device]
-        if not on_device:
+        """``grads`` (``Compressed``) with every tensor on ``self.device`` replaced by a view of a
+        pinned host copy in flight, and the wait for those copies (None when nothing was on the
+        device). The tensors are first joined on the device, one per dtype, so a model of hundreds
+        of parameters costs a few copies, not hundreds (each a launch on the training thread)."""
+        groups: dict = {}   # dtype -> [(position, field, tensor)]
+        for position, g in enumerate(grads):
+            for field in ("values", "indices"):
+                t = getattr(g, field)
+                if t is not None and self._moved(t):
+                    groups.setdefault(t.dtype, []).append((position, field, t))
+        if not groups:
             return grads, None
+        # Joined on the compute stream (fresh tensors, which nothing else writes) ...
+        joined = {dtype: torch.cat([t.reshape(-1) for _, _, t in items]) if len(items) > 1 else
+                  items[0][2].reshape(-1) for dtype, items in groups.items()}
         engine = self._engine
-        engine.stream_waits_for_current(self.device)   # after the kernels that produced them
-        out = []
-        for g in grads:
-            if g.values is None or g.values.device != self.device:
-                out.append(g)
-                continue
-            indices = g.indices
-            if indices is not None and indices.device == self.device:
-                indices = engine.copy_to_host(indices)
-            out.append(dataclasses.replace(g, values=engine.copy_to_host(g.values), indices=indices))
+        engine.stream_waits_for_current(self.device)   # ... and copied once that work is done
+        replaced: dict = {}
+        for dtype, items in groups.items():
+            host = engine.copy_to_host(joined[dtype])
+            offset = 0
+            for position, field, t in items:
+                replaced[(position, field)] = host[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+        out = [g if not any((position, f) in replaced for f in ("values", "indices")) else
+               dataclasses.replace(g, **{f: replaced[(position, f)] for f in ("values", "indices")
+                                         if (position, f) in replaced})
+               for position, g in enumerate(grads)]
         return out, _Ready(engine.record_done())
