@@ -6,15 +6,16 @@ writer thread would otherwise call ``.cpu()`` on each (a blocking copy on the de
 device memory held by every record not yet written). Here, at the iteration boundary, the training
 thread only *enqueues*: the tensors are joined on the device (one per dtype), a side stream waits
 for the compute stream, copies each joined tensor into a pinned host tensor with
-``non_blocking=True`` and records an event; the record carries host tensors and a ``ready`` callable, which the writer thread calls
-(``Event.synchronize``) before it reads them. ``step()`` never waits for the copy.
+``non_blocking=True`` and records an event; the record carries host tensors and a ``ready``
+callable, which the writer thread calls (``Event.synchronize``) before it reads them. ``step()``
+never waits for the copy.
 
 Why the source tensors are safe: what a compressor records is a tensor of its own (TopK's
 ``index_select`` values and ``topk`` indices, Dense's and DDP's ``clone``), never the live
 ``.grad`` that the next backward accumulates into, so nothing writes them after the copy is
-enqueued; the joined tensors are new too. Their memory is returned to torch's caching allocator when the record drops them, which
-would let the compute stream reuse it while the side stream still reads it: ``record_stream``
-tells the allocator to wait for the side stream first.
+enqueued; the joined tensors are new too. Their memory is returned to torch's caching allocator
+when the record drops them, which would let the compute stream reuse it while the side stream
+still reads it: ``record_stream`` tells the allocator to wait for the side stream first.
 
 Pinned memory: the host tensors come from torch's caching host allocator (reused once freed and
 their copy has completed; it tracks that with its own events). A record holds them until its batch
