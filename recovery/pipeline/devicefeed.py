@@ -24,8 +24,10 @@ class DeviceFeed:
     """Stages prepared steps on one CUDA device (see the module doc). ``for_layout`` returns None
     where nothing lives on a CUDA device (the CPU replay is unchanged)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, layout):
         self.device = device
+        # Which flat buffers live on the device (a model may keep some parameters on the CPU).
+        self._moves = tuple(buffer_device == device for _, buffer_device, _ in layout)
         self._stream = torch.cuda.Stream(device=device)
 
     @classmethod
@@ -34,7 +36,7 @@ class DeviceFeed:
         devices = {device for _, device, _ in layout if device.type == "cuda"}
         if len(devices) != 1 or not torch.cuda.is_available():
             return None   # no GPU, or several: the apply copies as it always did
-        return cls(next(iter(devices)))
+        return cls(next(iter(devices)), layout)
 
     def stage(self, prepared: PreparedStep) -> PreparedStep:
         """Any thread: ``prepared`` with its updates on the device (copies in flight) and a
@@ -43,7 +45,10 @@ class DeviceFeed:
             return prepared
         staged = []
         with torch.cuda.stream(self._stream):
-            for update in prepared.updates:
+            for moves, update in zip(self._moves, prepared.updates):
+                if not moves:
+                    staged.append(update)
+                    continue
                 staged.append(BufferUpdate(self._to_device(update.values),
                                            None if update.indices is None else self._to_device(update.indices)))
             event = torch.cuda.Event()
