@@ -14,6 +14,9 @@ replayed record vs one optimizer step (and whether the resumed state is bit-iden
 ratios and verdicts against the issue's targets and writes ``gpu_check.csv`` and
 ``gpu_check.txt`` under ``--out`` (default ``$OUT``, else ``experiments/results``).
 
+On a lent device machine: ``run(command="python3 experiments/gpu_check.py", carry=[".whl"],
+timeout_s=560)`` (one call; its table and CSV come back from ``$OUT``).
+
 ``--cpu`` runs the same script here on tiny sizes (no bf16 targets judged), to test the script.
 Before a device run, on a machine with network, once: ``python3 -m pip download --no-deps
 --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
@@ -26,6 +29,7 @@ import csv
 import glob
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,14 +76,18 @@ def ensure_zstandard() -> str:
 
 
 def run_cmd(cmd: list, limit_s: float) -> tuple[bool, str]:
-    """Run ``cmd`` from the repository root; (ok, last lines of its output)."""
+    """Run ``cmd`` from the repository root in its own process group; (ok, last lines of its
+    output). Past ``limit_s`` the whole group is killed, so the workers a test started do not go
+    on using the GPU while the next part measures."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=limit_s)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"")
-        out = out.decode(errors="replace") if isinstance(out, bytes) else out
-        return False, f"timed out after {limit_s:.0f} s\n{out[-3000:]}"
-    return done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return False, f"timed out after {limit_s:.0f} s\n{(out or '')[-3000:]}"
+    return proc.returncode == 0, out[-6000:]
 
 
 # --------------------------------------------------------------------------- measured parts (child side)
