@@ -61,7 +61,11 @@ def _kill_at(procs: dict, step: int) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while procs and time.monotonic() < deadline:
         for path, proc in list(procs.items()):
-            if step in _digests(path) or proc.poll() is not None:
+            reached = step in _digests(path)
+            if not reached and proc.poll() is not None:
+                raise AssertionError(f"{path}: the run ended (rc {proc.returncode}) before step {step}: "
+                                     f"{proc.communicate()[1][-3000:]}")
+            if reached:
                 proc.send_signal(signal.SIGKILL)
                 proc.communicate()
                 del procs[path]
