@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from lowdiff.capture.devicecopy import DeviceCopy
 from lowdiff.distributed.ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
 from lowdiff.format import tree
 from lowdiff.format.records import StepRecord
@@ -60,6 +61,9 @@ class StepCapture:
             hook = CompressedAllReduce(self.compressor, self.residuals, params=self.params)
             model.register_comm_hook(hook, CompressedAllReduce.hook)
             self._recorder = AggregatedRecorder(sparse=self.compressor.name == "topk")
+        # CUDA gradients: records reach the writer through pinned memory, without a sync in step().
+        device = DeviceCopy.needed(self.params)
+        self._device_copy = DeviceCopy(device) if device is not None else None
         self._base_boundary: dict | None = None  # see capture_base_boundary
         self._state_marks: list | None = None    # see _training_state_marks, at the last boundary
 
@@ -135,7 +139,10 @@ class StepCapture:
             objects["scheduler"] = capture.state_dict_copy(self.scheduler)
         if self.grad_scaler is not None:
             objects["grad_scaler"] = {"state": self.grad_scaler.state_dict(), "found_inf": skipped}
-        return StepRecord(step, skipped, grads or [], objects)
+        ready = None
+        if grads and self._device_copy is not None:
+            grads, ready = self._device_copy.to_host(grads)
+        return StepRecord(step, skipped, grads or [], objects, ready)
 
     def capture_boundary(self) -> dict:
         """Copies of the small state at an iteration boundary: RNG states, extra_state, buffers."""

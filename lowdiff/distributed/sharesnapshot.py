@@ -26,6 +26,8 @@ def is_shared_key(key: str, param_aliases: dict) -> bool:
 
 
 class ShareSnapshot(Snapshot):
+    supports_device_copy = False   # a share's device tensors are brought to the host on the training thread
+
     def __init__(self, index: int, count: int):
         super().__init__()
         self.index, self.count = index, count

@@ -52,6 +52,7 @@ class WrapConfig:
     boundary: str = "step"    # "step": the end of opt.step(); "manual": opt.boundary()
     replica: bool = False     # replica mode (LowDiff+, lowdiff.persist.replica)
     replica_inflight_steps: int = 2   # replica mode: captured steps not yet applied before step() waits
+    replica_inexact_gpu: bool = False  # replica mode: a CPU replica of a GPU model accepted (Replica.allow_inexact_gpu)
     tiers: Any = None         # lowdiff.tiers.Tiers: stage to a shared directory (None: one directory)
     differentials: bool | str = True   # record every step; False: full checkpoints only; "auto"
 

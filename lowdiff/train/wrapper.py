@@ -109,7 +109,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{' and '.join(auto)}='auto' is not supported under torch.distributed yet: every rank "
                              f"must checkpoint at the same steps; give integers (python -m lowdiff tune suggests them)")
         if config.replica:
-            check_replica_arguments(self._capture.compressor)
+            check_replica_arguments(self._capture.compressor, self._capture.params, config.replica_inexact_gpu)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.distributed.partition).
         partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
