@@ -66,3 +66,17 @@ def test_torchs_scheduler_warning_after_a_skipped_first_step_points_at_the_users
     opt.close()
     assert [w.filename for w in seen] == [__file__]
     assert "(lowdiff: the GradScaler skipped step 1" in str(seen[0].message)
+
+
+def test_resumable_loader_reads_its_seed_without_drawing_from_the_global_rng():
+    """Issue #27, 1, in small: building the loader leaves the global RNG as it was (Lightning builds
+    it after the resume restored that RNG); the seed still follows torch.manual_seed."""
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    seeds = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        loader = lowdiff.ResumableLoader(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+        assert torch.equal(torch.get_rng_state(), before)
+        seeds.append(loader.state_dict()["seed"])
+    assert seeds[0] != seeds[1]
