@@ -17,6 +17,7 @@ from lowdiff.format.fullckpt import read_full_index
 from lowdiff.store.directory import lock_holder
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import plan_chain
+from lowdiff.store.rankdirs import rank_directory
 
 
 def _human(nbytes: int) -> str:
@@ -200,7 +201,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.stats} is a CONTROLLER.json, not opt.stats(): give its directory "
                              f"(python -m lowdiff tune {os.path.dirname(args.stats) or '.'} ...)")
     if args.directory:
-        measured, settings = measured_costs(args.directory)
+        measured_in = args.directory
+        if is_partitioned(args.directory):   # every rank keeps its own measurements; ranks step alike
+            measured_in = rank_directory(args.directory, 0)
+            print(f"{args.directory} is partitioned: the costs rank 0 measured")
+        measured, settings = measured_costs(measured_in)
         stats = {"controller": {"costs": dataclasses.asdict(measured)}}
         run: tuple = (settings.get("full_every"), settings.get("batch_steps"))
         print(f"{args.directory}: costs its runs measured (CONTROLLER.json); they ran with full_every {run[0]}, "
