@@ -195,6 +195,7 @@ class _Targets:
                             f"got {type(optimizer).__name__}")
         wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
         if wrapper is not None:
+            _check_scheduler_was_wrapped(scheduler, wrapper)
             scheduler = scheduler or wrapper.scheduler
             extra_state = extra_state or wrapper.extra_state
             grad_scaler = grad_scaler or wrapper.grad_scaler
@@ -220,6 +221,19 @@ class _Targets:
 
     def params(self, index) -> list:
         return [p for group in self.inner.param_groups for p in group["params"]]
+
+
+def _check_scheduler_was_wrapped(scheduler, wrapper: LowDiffOptimizer) -> None:
+    """A wrapped optimizer's checkpoints hold the scheduler given to ``wrap`` (or those in its
+    extra_state); one given only here has no state in them and would silently restore nothing."""
+    if scheduler is None or wrapper.scheduler is not None:   # another one is loaded with the wrapped one's state
+        return
+    if any(scheduler is obj for obj in wrapper.extra_state.values()):
+        return
+    raise ValueError(f"recovery.resume(scheduler={type(scheduler).__name__}): lowdiff.wrap was given no scheduler, so "
+                     f"the checkpoints hold no state of this one and resume would restore nothing into it. Pass it "
+                     f"to lowdiff.wrap(..., scheduler=...) (or in extra_state) and call recovery.resume(dir, model, "
+                     f"opt) without it")
 
 
 def _restore_any_layout(directory: str, targets: _Targets, step: int | None, workers: int | None):

@@ -156,6 +156,13 @@ class StepCapture:
         numbers, advanced the sampler and updated BatchNorm statistics: it needs the state before."""
         self._base_boundary = self.capture_boundary()
 
+    @property
+    def restored_boundary(self) -> dict:
+        """The boundary ``capture_base_boundary`` took (at resume: the restored state), before the
+        base checkpoint uses it."""
+        assert self._base_boundary is not None
+        return self._base_boundary
+
     def base_checkpoint(self) -> tuple[dict, TrainedWith]:
         """(state, meta) of the base checkpoint: the boundary from ``capture_base_boundary`` (used
         once) with the current parameters, optimizer, scheduler and grad scaler."""

@@ -17,6 +17,7 @@ from lowdiff.format.fullckpt import read_full_index
 from lowdiff.store.directory import lock_holder
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import plan_chain
+from lowdiff.store.rankdirs import rank_directory
 
 
 def _human(nbytes: int) -> str:
@@ -183,14 +184,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Recommended full_every/batch_steps for measured costs (docs/controller.md), next to baselines."""
+    import dataclasses
     import json
 
-    from lowdiff.control.costmodel import Limits, costs_from_stats, tune_table
+    from lowdiff.control.costmodel import FIXED_CHOICES, Limits, costs_from_stats, tune_table
+    from lowdiff.control.meter import measured_costs
 
-    stats = {}
+    stats: dict = {}
+    fixed: tuple[tuple[int, int], ...] = FIXED_CHOICES
+    if args.stats and args.directory:
+        raise ValueError("give a checkpoint directory or --stats, not both")
     if args.stats:
         with open(args.stats) as f:
             stats = json.load(f)
+        if "samples" in stats and "version" in stats:
+            raise ValueError(f"{args.stats} is a CONTROLLER.json, not opt.stats(): give its directory "
+                             f"(python -m lowdiff tune {os.path.dirname(args.stats) or '.'} ...)")
+    if args.directory:
+        measured_in = args.directory
+        if is_partitioned(args.directory):   # every rank keeps its own measurements; ranks step alike
+            measured_in = rank_directory(args.directory, 0)
+            print(f"{args.directory} is partitioned: the costs rank 0 measured")
+        measured, settings = measured_costs(measured_in)
+        stats = {"controller": {"costs": dataclasses.asdict(measured)}}
+        run: tuple = (settings.get("full_every"), settings.get("batch_steps"))
+        print(f"{args.directory}: costs its runs measured (CONTROLLER.json); they ran with full_every {run[0]}, "
+              f"batch_steps {run[1]}")
+        if all(isinstance(v, int) for v in run):
+            fixed = ((int(run[0]), int(run[1])),) + tuple(f for f in FIXED_CHOICES if f != run)
     flags = {name: getattr(args, name) for name in ("step_s", "stall_s", "persist_s", "replay_s", "load_s",
                                                     "record_s", "batch_fixed_s", "diff_bytes_per_step",
                                                     "write_bytes_per_s", "restart_s")}
@@ -200,7 +221,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"{costs.stall_s * 1e3:.1f} ms, persist {costs.persist_s:.2f} s, replay {costs.replay_s * 1e3:.2f} ms/step")
     print(f"{'setting':<24}{'full_every':>11}{'batch':>7}{'waste %':>10}{'lost h/1000h':>13}"
           f"{'recovery s':>11}  constraints broken")
-    for label, e in tune_table(costs, limits):
+    for label, e in tune_table(costs, limits, fixed):
+        if fixed is not FIXED_CHOICES and label == "fixed" and (e.full_every, e.batch_steps) == fixed[0]:
+            label = "this run's settings"
         print(f"{label:<24}{e.full_every:>11}{e.batch_steps if e.batch_steps is not None else '-':>7}"
               f"{100 * e.waste:>10.3f}{1000 * e.waste:>13.1f}{e.worst_recovery_s:>11.2f}  "
               f"{', '.join(e.violated) or '-'}")
@@ -229,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("tune", help="recommend full_every/batch_steps from measured costs and a failure rate")
+    p.add_argument("directory", nargs="?", help="a checkpoint directory: the costs its runs measured (CONTROLLER.json)")
     p.add_argument("--stats", help="a run's opt.stats() saved as JSON (its measured costs)")
     p.add_argument("--failure-rate-per-hour", type=float, required=True)
     p.add_argument("--max-recovery-s", type=float)

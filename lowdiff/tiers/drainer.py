@@ -178,10 +178,17 @@ class Drainer:
         if self._error is not None:
             raise self._error
 
+    def durable_step(self) -> int:
+        """The newest step a resume from the shared tier alone reaches now (what survives losing
+        the local directory); -1 before its first commit."""
+        return self.shared.durable_step()
+
     def snapshot(self) -> dict:
         with self._cond:
-            return {"shared_dir": self.shared.directory, "shared_step": self._shared_step,
-                    "lag_steps": max(self._local_step - self._handled_step, 0), **self.stats}
+            out = {"shared_dir": self.shared.directory, "shared_step": self._shared_step,
+                   "lag_steps": max(self._local_step - self._handled_step, 0), **self.stats}
+        out["shared_durable_step"] = self.durable_step()   # (the store's lock, not under ours)
+        return out
 
     def close(self) -> None:
         """Copy everything the local tier has committed, then stop; raise a copy error."""

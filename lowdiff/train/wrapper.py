@@ -91,6 +91,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
         loopchecks.refuse_unreplayable(optimizer, model, scheduler)
         loopchecks.warn_unsaved_scheduler(optimizer, scheduler, extra_state)
+        loopchecks.warn_inexact_loaders(extra_state or {})
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
             fastio.engine()
@@ -233,7 +234,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             optimizer_s = time.perf_counter() - started
             session.controller.step_finished(optimizer_s, recording)
             if self.scheduler is not None:
-                self.scheduler.step()
+                if skipped:   # torch's warning about it would point here: said at the user's line
+                    loopchecks.step_scheduler_of_skipped(self.scheduler, self.step_count)
+                else:
+                    self.scheduler.step()
         except BaseException:
             session.step_failed(False)
             if replica is not None:
@@ -325,7 +329,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._session.mark_resumed()
         self.step_count = step
         self._capture.restart(residuals)
-        self._between.boundary_passed(step, None)
+        if step > 0:    # a restored state: its first window is compared with the next (betweensteps)
+            self._between.resumed(step, self._capture.restored_boundary)
+        else:
+            self._between.boundary_passed(step, None)
 
     # ------------------------------------------------------------ durability
     def stats(self) -> dict[str, Any]:
@@ -345,8 +352,17 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
     @property
     def durable_step(self) -> int:
-        """The newest step that is on disk and can be resumed (-1 before the first commit)."""
+        """The newest step that is on disk and can be resumed (-1 before the first commit). With
+        storage tiers, on the local tier: see ``shared_durable_step``."""
         return self._session.durable_step()
+
+    @property
+    def shared_durable_step(self) -> int | None:
+        """With storage tiers, the newest step the shared tier alone can be resumed at: what
+        survives losing the local directory. It trails ``durable_step`` by what the drainer has not
+        copied yet, at most about ``Tiers(max_lag_steps=...)`` steps plus two batches (``step()``
+        waits beyond that). None without tiers; -1 before the shared tier's first commit."""
+        return self._session.shared_durable_step()
 
     def flush(self) -> None:
         """Block until every recorded step (and any full checkpoint in progress) is durable.
