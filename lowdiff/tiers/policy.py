@@ -39,6 +39,9 @@ class Tiers:
     def __post_init__(self):
         if not isinstance(self.shared_dir, (str, os.PathLike)):
             raise TypeError(f"shared_dir must be a path, got {type(self.shared_dir).__name__}")
+        if "://" in os.fspath(self.shared_dir):
+            # A URL made into a path would drain into a local directory named like "s3:".
+            raise ValueError(f"shared_dir={self.shared_dir!r} is a URL; object storage is not supported yet")
         object.__setattr__(self, "shared_dir", os.path.abspath(os.fspath(self.shared_dir)))
         if self.local is not None:
             check_policy("Tiers(local=...)", self.local)
