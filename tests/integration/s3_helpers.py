@@ -52,7 +52,7 @@ class _Handler(socketserver.BaseRequestHandler):
         proxy: FaultProxy = self.server.proxy   # type: ignore[attr-defined]
         stream = self.request.makefile("rb")
         while True:
-            request = _read_request(stream)
+            request = _read_request(stream, on_expect=lambda: self.request.sendall(b"HTTP/1.1 100 Continue\r\n\r\n"))
             if request is None:
                 return
             head, body = request
@@ -70,13 +70,17 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             proxy.throttle(len(body))
             with socket.create_connection(proxy.upstream) as upstream:
-                upstream.sendall(_closing(head) + body)
-                while data := upstream.recv(1 << 16):
-                    self.request.sendall(data)
-            return   # one request per connection: the upstream's "Connection: close" tells the client
+                upstream.sendall(head + body)
+                response = _read_request(upstream.makefile("rb"), head.startswith(b"HEAD "))
+            if response is None:
+                return
+            self.request.sendall(response[0] + response[1])
 
 
-def _read_request(stream):
+def _read_request(stream, no_body: bool = False, on_expect=None):
+    """(head, body) of the next HTTP message on ``stream`` (a request, or a response: ``no_body``
+    for the answer to HEAD); None at the end of the stream. ``on_expect``: answers a request's
+    ``Expect: 100-continue`` (which is then not forwarded)."""
     lines = []
     while True:
         line = stream.readline()
@@ -86,8 +90,13 @@ def _read_request(stream):
         if line in (b"\r\n", b"\n"):
             break
     head = b"".join(lines)
+    if no_body or lines[0].split(b" ")[1:2] in ([b"204"], [b"304"]):
+        return head, b""
     headers = {k.strip().lower(): v.strip() for k, _, v in
                (ln.decode("latin-1").partition(":") for ln in lines[1:-1])}
+    if on_expect is not None and headers.get("expect", "").lower() == "100-continue":
+        on_expect()
+        head = b"".join(ln for ln in lines if not ln.lower().startswith(b"expect:"))
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = b""
         while True:
@@ -100,11 +109,6 @@ def _read_request(stream):
                 return head, body + b"\r\n"
             body += stream.read(size + 2)
     return head, stream.read(int(headers.get("content-length", "0")))
-
-
-def _closing(head: bytes) -> bytes:
-    lines = [ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"connection:")]
-    return b"\r\n".join(lines[:-2] + [b"Connection: close", b"", b""])
 
 
 class FaultProxy:
