@@ -5,6 +5,7 @@ size and CRC-32C has been created with ``If-None-Match: *``; deletions come afte
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ from lowdiff.store.retention import Policy, retain
 from lowdiff.tiers.objectstore import ObjectStore, S3Client, parse_s3_url
 from lowdiff.tiers.policy import _with
 
-__all__ = ["BucketStore", "download", "read_bucket"]
+__all__ = ["BucketStore", "download", "read_bucket", "stage"]
 
 log = logging.getLogger("lowdiff")
 MANIFEST_RE = re.compile(r"^MANIFEST-(\d{12})\.json$")
@@ -61,6 +62,32 @@ def download(client: S3Client, committed: BucketManifest, name: str, path: str) 
         except FileNotFoundError:
             pass
         raise
+
+
+def stage(url: str, directory: str, worth=None, options: ObjectStore | None = None) -> Manifest | None:
+    """Copy what the newest commit of the bucket ``url`` lists into ``directory`` (a new, empty
+    checkpoint directory) and commit its MANIFEST.json there, listing the files that arrived with
+    the size and CRC-32C the commit names; a file that does not is left out with a warning (a
+    resume then falls back as it does for a damaged file). None when nothing is committed, or
+    ``worth(manifest)`` says the commit is not worth fetching (another tier reaches as far)."""
+    from lowdiff.store.manifest import write_manifest
+
+    client = S3Client(parse_s3_url(url), options or ObjectStore())
+    committed = read_bucket(client)
+    if committed is None or (worth is not None and not worth(committed.manifest)):
+        return None
+    manifest = committed.manifest
+    arrived = set()
+    for name in sorted(committed.objects):
+        try:
+            download(client, committed, name, os.path.join(directory, name))
+            arrived.add(name)
+        except CorruptCheckpointError as exc:
+            log.warning("lowdiff: %s; not used", exc)
+    manifest = dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f.file in arrived],
+                                   batches=[b for b in manifest.batches if b.file in arrived], retired=[])
+    write_manifest(directory, manifest)
+    return manifest
 
 
 class BucketStore:
@@ -179,6 +206,4 @@ def _ours(name: str) -> bool:
 
 
 def _run(manifest: Manifest, run: str | None) -> Manifest:
-    import dataclasses
-
     return dataclasses.replace(manifest, run=run, retired=[])
