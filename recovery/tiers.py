@@ -81,7 +81,13 @@ def shared_tier(directory: str, wrapper, shared_dir) -> str | None:
     return None if marker is None else marker["shared_dir"]
 
 
-def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | None,
+def object_store_of(wrapper):
+    """The wrapped optimizer's ``Tiers(object_store=...)`` (None: the defaults)."""
+    tiers = getattr(getattr(wrapper, "config", None), "tiers", None)
+    return getattr(tiers, "object_store", None)
+
+
+def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | None, object_store=None,
                        **run) -> tuple[Restored | None, str, bool]:
     """(Restored or None for two empty tiers, "local" | "shared", whether this rank got its own
     per-rank state back). ``run``: apply_full, params_for, optimizer_for, workers, into
@@ -92,7 +98,8 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
     (``into``). If its records or full checkpoints fail to verify and it ends before the other
     tier's reach, the other is restored, and the further of the two kept."""
     if is_object_url(shared):
-        return _restore_with_bucket(local, shared, check_full=check_full, stop_step=stop_step, **run)
+        return _restore_with_bucket(local, shared, check_full=check_full, stop_step=stop_step,
+                                    object_store=object_store, **run)
     if is_partitioned(local) or is_partitioned(shared):
         return restore_partitioned_tiers(local, shared, check_full=check_full, stop_step=stop_step, **run)
     errors: dict = {}
@@ -113,7 +120,7 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
     return restored, tier, own
 
 
-def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | None,
+def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | None, object_store,
                          **run) -> tuple[Restored | None, str, bool]:
     """``restore_from_tiers`` with the shared tier in an object store: when the bucket's newest
     commit reaches further than the local tier (or the local one is gone), the files it lists are
@@ -126,7 +133,8 @@ def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | N
         local_reach = -1
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
         try:
-            stage(url, staging, worth=lambda manifest: manifest_reach(manifest, stop_step) > local_reach)
+            stage(url, staging, worth=lambda manifest: manifest_reach(manifest, stop_step) > local_reach,
+                  options=object_store)
         except (CheckpointError, OSError) as exc:
             warn(f"lowdiff: the shared tier {url} cannot be read: {exc}")
         restored, tier, own = restore_from_tiers(local, staging, check_full=check_full, stop_step=stop_step, **run)
