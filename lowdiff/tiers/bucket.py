@@ -64,30 +64,32 @@ def download(client: S3Client, committed: BucketManifest, name: str, path: str) 
         raise
 
 
-def stage(url: str, directory: str, worth=None, options: ObjectStore | None = None) -> Manifest | None:
+def stage(url: str, directory: str, worth=None, options: ObjectStore | None = None) -> tuple[Manifest | None, list]:
     """Copy what the newest commit of the bucket ``url`` lists into ``directory`` (a new, empty
     checkpoint directory) and commit its MANIFEST.json there, listing the files that arrived with
     the size and CRC-32C the commit names; a file that does not is left out with a warning (a
-    resume then falls back as it does for a damaged file). None when nothing is committed, or
+    resume then falls back as it does for a damaged file). Returns (the manifest committed there,
+    [(object name, why)] of those left out); the manifest is None when nothing is committed, or
     ``worth(manifest)`` says the commit is not worth fetching (another tier reaches as far)."""
     from lowdiff.store.manifest import write_manifest
 
     client = S3Client(parse_s3_url(url), options or ObjectStore())
     committed = read_bucket(client)
     if committed is None or (worth is not None and not worth(committed.manifest)):
-        return None
+        return None, []
     manifest = committed.manifest
-    arrived = set()
+    arrived, problems = set(), []
     for name in sorted(committed.objects):
         try:
             download(client, committed, name, os.path.join(directory, name))
             arrived.add(name)
         except CorruptCheckpointError as exc:
             log.warning("lowdiff: %s; not used", exc)
+            problems.append((name, str(exc)))
     manifest = dataclasses.replace(manifest, fulls=[f for f in manifest.fulls if f.file in arrived],
                                    batches=[b for b in manifest.batches if b.file in arrived], retired=[])
     write_manifest(directory, manifest)
-    return manifest
+    return manifest, problems
 
 
 class BucketStore:

@@ -198,3 +198,77 @@ def s3(s3_server, monkeypatch, request):
         yield ns
     finally:
         proxy.close()
+
+
+# ---------------------------------------------------------------------- a fork server of trainers
+class Spawner:
+    """A process that imports torch, lowdiff and boto3 once and forks a demo trainer
+    (``python -m lowdiff.cli.demo`` arguments) per ``start``: each trial's trainer is a real
+    process, killed with a real SIGKILL, without paying the imports each time. The spawner runs
+    no torch operation itself (a fork after one could inherit a thread pool's locks)."""
+
+    def __init__(self):
+        import sys
+
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self._process = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=env, text=True, cwd=repo)
+
+    def start(self, argv: list, out: str, env: dict) -> int:
+        import json
+
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps({"argv": argv, "out": out, "env": env}) + "\n")
+        self._process.stdin.flush()
+        return int(self._process.stdout.readline())
+
+    def close(self) -> None:
+        if self._process.stdin:
+            self._process.stdin.close()
+        self._process.wait(30)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _spawn_loop() -> None:
+    import json
+    import signal
+    import sys
+    import traceback
+
+    import boto3  # noqa: F401  (imported once, here)
+    import torch  # noqa: F401
+
+    import lowdiff.cli.demo as demo
+    import recovery  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # children are reaped by the kernel
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(job["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ.update(job["env"])
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            code = 1
+            try:
+                code = demo.main(job["argv"])
+            except BaseException:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        print(pid, flush=True)
+
+
+if __name__ == "__main__":
+    _spawn_loop()
