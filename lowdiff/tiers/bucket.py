@@ -12,6 +12,7 @@ import re
 import secrets
 import threading
 import time
+from typing import cast
 
 from lowdiff import faults
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
@@ -35,13 +36,14 @@ def read_bucket(client: S3Client, listing: dict | None = None) -> BucketManifest
     """The newest committed manifest of the bucket prefix (None: nothing committed). A newest
     manifest that does not parse is an error naming it (an older one is never used instead: the
     objects it names may be gone)."""
-    listing = client.list() if listing is None else listing
+    listing = client.listing() if listing is None else listing
     numbered = sorted(int(m.group(1)) for name in listing if (m := MANIFEST_RE.match(name)))
     if not numbered:
         return None
     name = manifest_name(numbered[-1])
     where = f"{client.url}/{name}"
     committed = BucketManifest.from_json(client.get(name), where, Manifest)
+    assert isinstance(committed.manifest, Manifest)
     if committed.seq != numbered[-1]:
         raise CorruptCheckpointError(where, f"holds commit number {committed.seq}")
     return committed
@@ -54,8 +56,9 @@ def download(client: S3Client, committed: BucketManifest, name: str, path: str) 
     try:
         found_bytes, found_crc = client.download(name, path)
         if (found_bytes, found_crc) != (nbytes, crc):
-            raise CorruptCheckpointError(f"{client.url}/{name}", f"is {found_bytes} bytes with CRC-32C {found_crc:#010x}; "
-                                                                 f"its manifest says {nbytes} bytes, {crc:#010x}")
+            raise CorruptCheckpointError(f"{client.url}/{name}",
+                                         f"is {found_bytes} bytes with CRC-32C {found_crc:#010x}; "
+                                         f"its manifest says {nbytes} bytes, {crc:#010x}")
     except BaseException:
         try:
             os.unlink(path)
@@ -77,7 +80,7 @@ def stage(url: str, directory: str, worth=None, options: ObjectStore | None = No
     committed = read_bucket(client)
     if committed is None or (worth is not None and not worth(committed.manifest)):
         return None, []
-    manifest = committed.manifest
+    manifest = cast(Manifest, committed.manifest)
     arrived, problems = set(), []
     for name in sorted(committed.objects):
         try:
@@ -118,17 +121,19 @@ class BucketStore:
         """Read the newest commit and clean the prefix (see docs/format.md): abort unfinished
         multipart uploads, delete our objects the commit does not name and older manifests."""
         client = S3Client(self.url, self.options)
-        listing = client.list()
+        listing = client.listing()
         committed = read_bucket(client, listing)
         if committed is not None:
-            self._seq, self.manifest, self._objects = committed.seq, committed.manifest, dict(committed.objects)
+            self._seq, self.manifest, self._objects = committed.seq, cast(Manifest, committed.manifest), \
+                dict(committed.objects)
         self.run = self.manifest.run or secrets.token_hex(8)
         for key, upload_id in client.uploads():
             client.abort(key, upload_id)
         stale = [name for name in listing if _ours(name) and name not in self._objects and
                  name != manifest_name(self._seq)]
         if stale:
-            log.info("lowdiff: removing %d objects no commit of %s names (left by an earlier run)", len(stale), self.url)
+            log.info("lowdiff: removing %d objects no commit of %s names (left by an earlier run)",
+                     len(stale), self.url)
             client.delete(stale)
         self._client = client
 

@@ -343,7 +343,7 @@ def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
                          f"{local.directory} keeps its checkpoints")
             failed = exc
         if failed is None:
-            join_runs(local, shared)    # type: ignore[arg-type]  (a BucketStore has the run and manifest)
+            join_runs(local, shared)    # type: ignore[arg-type]  # (a BucketStore has the run and manifest)
         write_marker(directory, tiers, local.policy)
         return local, Drainer(local, shared, tiers.max_lag_steps, engine, tiers.verify_copies, failed=failed)
     except BaseException:

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import fastio
 
@@ -145,7 +146,7 @@ class S3Client:
         self.endpoint = self._s3.meta.endpoint_url
 
     # ------------------------------------------------------------ requests
-    def call(self, what: str, operation: str, deadline: _Deadline | None = None, **kwargs):
+    def call(self, what: str, operation: str, *, deadline: _Deadline | None = None, **kwargs):
         return self.retrying(what, lambda: getattr(self._s3, operation)(**kwargs), deadline)
 
     def retrying(self, what: str, fn: Callable, deadline: _Deadline | None = None):
@@ -194,17 +195,18 @@ class S3Client:
 
     # ------------------------------------------------------------ objects
     def put(self, name: str, body: bytes, *, if_none_match: bool = False) -> None:
-        extra = {"IfNoneMatch": "*"} if if_none_match else {}
-        self.call(f"writing {name} to", "put_object", Bucket=self.url.bucket, Key=self.url.key(name), Body=body, **extra)
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_none_match else {}
+        self.call(f"writing {name} to", "put_object", Bucket=self.url.bucket, Key=self.url.key(name), Body=body,
+                  **extra)
 
     def get(self, name: str) -> bytes:
         return self.retrying(f"reading {name} from", lambda: self._s3.get_object(
             Bucket=self.url.bucket, Key=self.url.key(name))["Body"].read())
 
-    def list(self) -> dict:
+    def listing(self) -> dict:
         """{name: size} of the objects directly under the prefix."""
         found: dict = {}
-        kwargs = {"Bucket": self.url.bucket, "Prefix": self.url.key("")}
+        kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Prefix": self.url.key("")}
         while True:
             page = self.call("listing", "list_objects_v2", **kwargs)
             for item in page.get("Contents", []):
@@ -224,7 +226,8 @@ class S3Client:
 
     def uploads(self) -> list:
         """[(key, upload id)] of the multipart uploads begun under the prefix and not finished."""
-        found, kwargs = [], {"Bucket": self.url.bucket, "Prefix": self.url.key("")}
+        found: list = []
+        kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Prefix": self.url.key("")}
         while True:
             page = self.call("listing the uploads of", "list_multipart_uploads", **kwargs)
             found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
@@ -257,8 +260,8 @@ class S3Client:
         key = self.url.key(name)
         deadline = _Deadline(self.options.deadline_s)
         upload_id = self.call(f"starting the upload of {name} to", "create_multipart_upload",
-                              deadline, Bucket=self.url.bucket, Key=key)["UploadId"]
-        crc, parts, pending = 0, {}, set()
+                              deadline=deadline, Bucket=self.url.bucket, Key=key)["UploadId"]
+        crc, parts, pending = 0, cast(dict, {}), cast(set, set())
         try:
             with ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="lowdiff-s3-part") as pool:
                 for number, offset in enumerate(range(0, size, self.options.part_bytes), start=1):
@@ -273,7 +276,7 @@ class S3Client:
                     pending.add(pool.submit(self._part, name, key, upload_id, number, body, deadline))
                 for future in pending:
                     parts.update([future.result()])
-            self.call(f"completing the upload of {name} to", "complete_multipart_upload", deadline,
+            self.call(f"completing the upload of {name} to", "complete_multipart_upload", deadline=deadline,
                       Bucket=self.url.bucket, Key=key, UploadId=upload_id,
                       MultipartUpload={"Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]})
         except BaseException:
@@ -285,7 +288,7 @@ class S3Client:
         return crc
 
     def _part(self, name, key, upload_id, number, body, deadline) -> tuple[int, str]:
-        result = self.call(f"uploading part {number} of {name} to", "upload_part", deadline,
+        result = self.call(f"uploading part {number} of {name} to", "upload_part", deadline=deadline,
                            Bucket=self.url.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
         return number, result["ETag"]
 

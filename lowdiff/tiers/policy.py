@@ -51,7 +51,8 @@ class Tiers:
         else:
             object.__setattr__(self, "shared_dir", os.path.abspath(os.fspath(self.shared_dir)))
         if self.object_store is not None and not isinstance(self.object_store, ObjectStore):
-            raise TypeError(f"object_store must be lowdiff.tiers.ObjectStore(...), got {type(self.object_store).__name__}")
+            raise TypeError(f"object_store must be lowdiff.tiers.ObjectStore(...), "
+                            f"got {type(self.object_store).__name__}")
         if self.local is not None:
             check_policy("Tiers(local=...)", self.local)
         check_policy("Tiers(shared=...)", self.shared)

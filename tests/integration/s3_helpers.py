@@ -39,7 +39,7 @@ def moto_server():
                 break
             except OSError:
                 if process.poll() is not None:
-                    raise RuntimeError("moto_server exited at start")
+                    raise RuntimeError("moto_server exited at start") from None
                 time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -227,6 +227,8 @@ class Spawner:
         if self._process.stdin:
             self._process.stdin.close()
         self._process.wait(30)
+        if self._process.stdout:
+            self._process.stdout.close()
 
 
 def alive(pid: int) -> bool:

@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
-from s3_helpers import listing, open_uploads, s3, s3_server  # noqa: F401 (fixtures)
+from s3_helpers import listing, open_uploads
 
 import lowdiff
 from lowdiff.cli.demo import train
