@@ -141,3 +141,27 @@ def test_a_bucket_that_cannot_be_used_fails_at_close_and_the_local_tier_keeps_wo
     assert "keeps its checkpoints" in text and "lowdiff-test-secret" not in text
     # wrap() and resume went through (the local tier works); the error came at the first step().
     assert said[0] == "tier local" and not any(line.startswith("step ") for line in said)
+
+
+def test_cli_reads_the_bucket_and_a_damaged_object_is_named_and_not_used(s3, tmp_path, reference, capsys):
+    from lowdiff.cli.main import main
+
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    assert main(["verify", url]) == 0
+    assert main(["export", url, "--step", "12", "-o", str(tmp_path / "s12.pt")]) == 0
+    assert (tmp_path / "s12.pt").stat().st_size > 0
+    capsys.readouterr()
+    body = committed(s3, "run/")
+    newest = max(body["manifest"]["manifest"]["fulls"], key=lambda e: e["step"])
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"run/{newest['file']}")["Body"].read())
+    data[len(data) // 2] ^= 0xFF                            # one flipped bit, same size
+    s3.client.put_object(Bucket=s3.bucket, Key=f"run/{newest['file']}", Body=bytes(data))
+    assert main(["verify", url]) == 1
+    assert newest["file"] in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "node1")
+    out = train(str(tmp_path / "node2"), 14, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    # The damaged full checkpoint is passed over: the older one and its chain reach step 12 exactly.
+    assert out["start"].full_step < newest["step"] and out["start"] == 12
+    assert out["digests"] == {step: reference[step] for step in range(12, 15)}
