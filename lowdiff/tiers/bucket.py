@@ -120,8 +120,11 @@ class BucketStore:
     def open(self) -> None:
         """Read the newest commit and clean the prefix (see docs/format.md): abort unfinished
         multipart uploads, delete our objects the commit does not name and older manifests."""
+        # A first contact that keeps failing (a wrong endpoint, a network that is down) gives up
+        # sooner than an upload that has made progress: wrap() waits for it.
+        probe = S3Client(self.url, dataclasses.replace(self.options, deadline_s=min(self.options.deadline_s, 20.0)))
+        listing = probe.listing()
         client = S3Client(self.url, self.options)
-        listing = client.listing()
         committed = read_bucket(client, listing)
         if committed is not None:
             self._seq, self.manifest, self._objects = committed.seq, cast(Manifest, committed.manifest), \

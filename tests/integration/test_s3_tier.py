@@ -165,3 +165,19 @@ def test_cli_reads_the_bucket_and_a_damaged_object_is_named_and_not_used(s3, tmp
     # The damaged full checkpoint is passed over: the older one and its chain reach step 12 exactly.
     assert out["start"].full_step < newest["step"] and out["start"] == 12
     assert out["digests"] == {step: reference[step] for step in range(12, 15)}
+
+
+def test_the_deprecated_shared_dir_keyword_takes_an_s3_url_too(s3, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    url = f"s3://{s3.bucket}/old"
+    with pytest.warns(DeprecationWarning, match="shared_dir"):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, str(tmp_path / "local"),
+                           shared_dir=url)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    assert opt.config.tiers.shared_dir == url and not (tmp_path / "s3:").exists()
+    assert any(k.startswith("old/MANIFEST-") for k in listing(s3.client, s3.bucket, "old/"))
