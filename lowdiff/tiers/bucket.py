@@ -190,10 +190,13 @@ class BucketStore:
         try:
             client.put(manifest_name(seq), body, if_none_match=True)
         except OSError as exc:
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+            if "PreconditionFailed" not in str(exc) and "412" not in str(exc):
+                raise
+            # Our own put may have landed with its answer lost (the retry is then refused): ours
+            # if the bytes are ours; another writer's otherwise.
+            if client.get(manifest_name(seq)) != body:
                 raise CheckpointError(f"{self.url}: commit {seq} exists already: another writer drains into "
                                       f"this prefix; one trainer per shared tier") from exc
-            raise
         faults.point("manifest-commit")
         with self._mutex:
             dropped = set(self._objects) | set(self._uploaded)

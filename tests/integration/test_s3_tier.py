@@ -181,3 +181,29 @@ def test_the_deprecated_shared_dir_keyword_takes_an_s3_url_too(s3, tmp_path, mon
     opt.close()
     assert opt.config.tiers.shared_dir == url and not (tmp_path / "s3:").exists()
     assert any(k.startswith("old/MANIFEST-") for k in listing(s3.client, s3.bucket, "old/"))
+
+
+def test_a_second_writer_is_refused_by_the_conditional_put(s3, tmp_path):
+    from lowdiff.errors import CheckpointError
+    from lowdiff.store.manifest import FullEntry
+    from lowdiff.tiers.bucket import BucketStore
+
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    first, second = (BucketStore(f"s3://{s3.bucket}/two", KeepLast(2), verify=False) for _ in range(2))
+    first.open()
+    second.open()
+    for store, name in ((first, "full-000000000001-aaaaaaaa.ldf"), (second, "full-000000000002-bbbbbbbb.ldf")):
+        entry = FullEntry(int(name[5:17]), name, 100, name[18:26])
+        store.receive(str(tmp_path / "f"), entry, {})
+        if store is first:
+            store.commit_copied(entry)
+        else:
+            with pytest.raises(CheckpointError, match="another writer"):
+                store.commit_copied(entry)
+    # A put whose answer was lost and whose retry is refused is recognised as ours.
+    s3.proxy.fail("lose", 1, "MANIFEST-000000000001")
+    entry = FullEntry(3, "full-000000000003-aaaaaaaa.ldf", 100, "aaaaaaaa")
+    first.receive(str(tmp_path / "f"), entry, {})
+    first.commit_copied(entry)
+    assert first.listed().files() == {"full-000000000001-aaaaaaaa.ldf", "full-000000000003-aaaaaaaa.ldf"}
+    assert sum("MANIFEST-000000000001" in line and line.startswith("PUT") for line in s3.proxy.seen) == 2
