@@ -114,8 +114,8 @@ def _read_request(stream, no_body: bool = False, on_expect=None):
 class FaultProxy:
     """A proxy to ``upstream`` on 127.0.0.1 at a free port (``url``). ``fail(action, count, match)``:
     the next ``count`` requests whose first line contains ``match`` get ``action`` ("drop": the
-    connection closed unanswered, "lose": forwarded but the answer dropped, "stall", "500", "503"); ``bytes_per_s``: request bodies forwarded at that rate (None: as fast
-    as possible)."""
+    connection closed unanswered, "lose": forwarded but the answer dropped, "stall", "500", "503");
+    ``bytes_per_s``: request bodies forwarded at that rate (None: as fast as possible)."""
 
     def __init__(self, upstream_url: str, stall_s: float = 2.0):
         host, port = upstream_url.removeprefix("http://").split(":")
