@@ -62,14 +62,19 @@ def test_sigkill_while_draining_into_a_bucket_resumes_exactly(s3, tmp_path, rng)
             pid = spawner.start(argv, out, env)
             # Kill a few steps past the resume point, at a random moment of the step after.
             extra = int(rng.integers(1, 5))
-            while alive(pid) and not last:
+            begun = time.monotonic()
+            while alive(pid) and not last and time.monotonic() - begun < 120:
                 trained = read_digests(digests)
                 if trained and max(trained) >= resumed_at(out)[0] + extra:
                     time.sleep(float(rng.uniform(0, 0.05)))
                     os.kill(pid, signal.SIGKILL)
                     break
                 time.sleep(0.005)
+            begun = time.monotonic()
             while alive(pid):
+                if time.monotonic() - begun > 120:   # only against hangs; nothing is timed
+                    os.kill(pid, signal.SIGKILL)
+                    raise AssertionError(f"trial {trial}: the trainer hung")
                 time.sleep(0.01)
             start, digest = resumed_at(out)
             with open(out) as f:
