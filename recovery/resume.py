@@ -21,7 +21,7 @@ from recovery.partitioned.restore import restore_partitioned
 from recovery.pipeline.replay import check_workers
 from recovery.plan import checkpoint_directory, warn
 from recovery.restore import execute_directory, plan_directory, planned_step
-from recovery.tiers import restore_from_tiers, shared_tier
+from recovery.tiers import object_store_of, restore_from_tiers, shared_tier
 
 
 def restore_grad_scaler(scaler, stored) -> None:
@@ -148,7 +148,7 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
         restored, tier, own = restore_from_tiers(
             directory, shared, check_full=targets.check_full, stop_step=step, apply_full=targets.apply_full,
             params_for=targets.params, optimizer_for=lambda index: targets.inner, workers=workers,
-            into=targets.live_tensors)
+            into=targets.live_tensors, object_store=object_store_of(targets.wrapper))
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:

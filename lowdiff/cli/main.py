@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -18,6 +19,7 @@ from lowdiff.store.directory import lock_holder
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import plan_chain
 from lowdiff.store.rankdirs import rank_directory
+from lowdiff.tiers.objectstore import is_object_url
 
 
 def _human(nbytes: int) -> str:
@@ -48,13 +50,39 @@ def _note_live_trainer(directory: str) -> None:
               f"this runs may differ from the listing")
 
 
+@contextlib.contextmanager
+def _fetched(path: str):
+    """(directory, problems): an ``s3://`` URL's newest commit fetched into a temporary directory,
+    every object checked against its size and CRC-32C ([(object, why)] of those that are not
+    right); a path as it is."""
+    if not is_object_url(path):
+        yield path, []
+        return
+    from lowdiff.tiers.bucket import stage
+
+    with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
+        manifest, problems = stage(path, staging)
+        if manifest is None:
+            raise CheckpointError(f"{path} holds no committed lowdiff checkpoint (no MANIFEST-N.json object)")
+        print(f"note: the objects the newest commit of {path} names were fetched into {staging}", file=sys.stderr)
+        yield staging, problems
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    directory = _checkpoint_directory(args.directory)
+    with _fetched(args.directory) as (directory, _):
+        return _inspect(args, directory)
+
+
+def _inspect(args: argparse.Namespace, directory: str) -> int:
+    directory = _checkpoint_directory(directory)
     _inspect_any_layout(directory)
     shared = args.shared or tierinspect.shared_dir_of(directory, _warn)
     if shared is not None:   # storage tiers: the shared tier too, then which one resume would take
         print(f"\nshared tier ({tierinspect.describe_policies(directory)})")
-        if os.path.isdir(shared):
+        if is_object_url(shared):
+            print(f"directory      {shared} (object store: python -m lowdiff inspect {shared})")
+            return 0
+        elif os.path.isdir(shared):
             _inspect_any_layout(shared)
         else:
             print(f"directory      {shared} (missing)")
@@ -107,9 +135,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from recovery import verify
     from recovery.partitioned.verify import verify_partitioned
 
-    directory = _checkpoint_directory(args.directory)
-    _note_live_trainer(directory)
-    report = verify_partitioned(directory) if is_partitioned(directory) else verify(directory)
+    with _fetched(args.directory) as (directory, fetch_problems):
+        directory = _checkpoint_directory(directory)
+        _note_live_trainer(directory)
+        report = verify_partitioned(directory) if is_partitioned(directory) else verify(directory)
+    for name, why in fetch_problems:
+        print(f"{'corrupt':<8} {name}: {why}")
     for name in report.ok_files:
         print(f"ok       {name}" + ("  (adopted: not listed in the manifest)" if name in report.adopted else ""))
     for name in report.gone:
@@ -126,13 +157,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"can be recovered")
     print(f"{len(report.ok_files)} files verify, {len(report.problems)} do not"
           + (" (see above)" if report.problems else ""))
-    return 0 if report.ok else 1
+    return 0 if report.ok and not fetch_problems else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from recovery import export
 
-    step = export(args.directory, args.output, step=args.step)
+    with _fetched(args.directory) as (directory, _):
+        step = export(directory, args.output, step=args.step)
     print(f"exported step {step} to {args.output}")
     return 0
 

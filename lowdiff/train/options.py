@@ -20,7 +20,6 @@ What depends on the run and on other arguments is checked by ``wrap``: "auto" an
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from typing import Any, Literal
 
@@ -262,7 +261,7 @@ def translate_deprecated(old: dict[str, Any], new: dict[str, Any], stacklevel: i
         shared_dir, tiers = old["shared_dir"], new["tiers"]
         if tiers is None:
             new["tiers"] = Tiers(shared_dir) if shared_dir is not None else None
-        elif shared_dir is not None and os.path.abspath(os.fspath(shared_dir)) != tiers.shared_dir:
+        elif shared_dir is not None and Tiers(shared_dir).shared_dir != tiers.shared_dir:
             raise ValueError(f"shared_dir={shared_dir!r} differs from tiers.shared_dir={tiers.shared_dir!r}")
         warn("shared_dir", f"tiers=lowdiff.Tiers({shared_dir!r})")
     given = {name: old[name] for name in _OPTIONS_KEYWORDS if name in old}
