@@ -147,6 +147,12 @@ class BucketStore:
         with self._mutex:
             return self.manifest
 
+    def durable_step(self) -> int:
+        """The newest step a resume from the bucket alone reaches (its newest commit); -1 before
+        the first."""
+        with self._mutex:
+            return self.manifest.durable_step()
+
     def would_keep(self, entry) -> bool:
         with self._mutex:
             return entry.file in retain(self.policy, _with(self.manifest, entry), frozenset()).files()

@@ -207,3 +207,31 @@ def test_a_second_writer_is_refused_by_the_conditional_put(s3, tmp_path):
     first.commit_copied(entry)
     assert first.listed().files() == {"full-000000000001-aaaaaaaa.ldf", "full-000000000003-aaaaaaaa.ldf"}
     assert sum("MANIFEST-000000000001" in line and line.startswith("PUT") for line in s3.proxy.seen) == 2
+
+
+def test_the_buckets_durable_step_is_what_a_resume_from_it_reaches(s3, tmp_path):
+    """opt.shared_durable_step with a bucket as the shared tier (it raised AttributeError: the
+    bucket store had no durable_step), and a resume from the bucket alone reaches it."""
+    import torch
+
+    import recovery
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    url = f"s3://{s3.bucket}/durable"
+    model, opt = model_and_optimizer()
+    opt = lowdiff.wrap(opt, model, tmp_path / "local", full_every=4, batch_steps=2, tiers=lowdiff.Tiers(url))
+    for _ in range(10):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    assert opt.stats()["tiers"]["shared_durable_step"] == opt.shared_durable_step
+    opt.close()
+    assert opt.shared_durable_step == opt.durable_step == 10
+    shutil.rmtree(tmp_path / "local")
+    model, plain = model_and_optimizer()
+    assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url) == 10
