@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lowdiff import LowDiffOptimizer
 from lowdiff.distributed.ddp import distributed_rank
+from lowdiff.distributed.dtensors import grad_targets
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError
 from lowdiff.format.fullckpt import live_targets
@@ -219,7 +220,9 @@ class _Targets:
         return live_targets(self.model, self.inner, exclude=capture.trained_elsewhere(self.model, self.inner))
 
     def params(self, index) -> list:
-        return [p for group in self.inner.param_groups for p in group["params"]]
+        # A DTensor parameter's recorded gradient is its local chunk: replay sets it through the
+        # parameter's LocalGradTarget, which hands the optimizer the DTensor around it.
+        return grad_targets([p for group in self.inner.param_groups for p in group["params"]])
 
 
 def _restore_any_layout(directory: str, targets: _Targets, step: int | None, workers: int | None):

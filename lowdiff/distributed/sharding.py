@@ -17,7 +17,9 @@ Refused (each check names the first offender it finds, in this order):
   summand, not a value);
 - an FSDP2 module whose ``MixedPrecisionPolicy`` or ``OffloadPolicy`` is not the default: the
   optimizer then steps a copy (offload) or a gradient cast on the way, which is not tested here;
-- DTensor parameters at all (FSDP2 ``fully_shard``, tensor parallelism): not supported yet.
+- DTensor parameters outside ``fully_shard`` (tensor parallelism) or on a mesh of more than one
+  dimension (HSDP, FSDP2 + tensor parallelism): not supported yet. FSDP2 on a 1-D mesh is recorded
+  (lowdiff.distributed.dtensors).
 
 Not refused: ``reshard_after_forward`` (it changes when parameters are gathered, not what the
 optimizer consumes).
@@ -26,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-_NOT_YET = ("lowdiff does not record DTensor (FSDP2 fully_shard / tensor-parallel) state yet. Until it does, "
-            "train with torch.nn.parallel.DistributedDataParallel (lowdiff writes each rank a share of every "
-            "checkpoint), or checkpoint this model with torch.distributed.checkpoint")
+_NOT_YET = ("lowdiff records DTensor state only as FSDP2 fully_shard makes it on a 1-D mesh so far. Shard "
+            "the model with fully_shard on a 1-D mesh, or train with torch.nn.parallel.DistributedDataParallel, or "
+            "checkpoint this model with torch.distributed.checkpoint")
 
 
 def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
@@ -48,12 +50,19 @@ def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.n
     _refuse_fsdp1(model)
     _refuse_placements(optimizer, model)
     _refuse_fsdp2_policies(model)
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    sharded = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            raise TypeError(f"parameter {name!r} is a DTensor (placements {tuple(p.placements)} on a mesh of shape "
-                            f"{tuple(p.device_mesh.shape)}): {_NOT_YET}")
+        if not isinstance(p, DTensor):
+            continue
+        if id(p) not in sharded:
+            raise TypeError(f"parameter {name!r} is a DTensor (placements {tuple(p.placements)}) outside any "
+                            f"fully_shard()ed module (tensor parallelism): {_NOT_YET}")
+        if p.device_mesh.ndim != 1:
+            raise TypeError(f"parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh of shape "
+                            f"{tuple(p.device_mesh.shape)} (HSDP or FSDP2 with tensor parallelism): {_NOT_YET}")
 
 
 def _refuse_fsdp1(model: torch.nn.Module) -> None:

@@ -33,8 +33,9 @@ Fetch = Callable[[int, int], object]
 
 def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | None]:
     """{step: (file position, offset, bytes)} of one share's records from ``first`` on, contiguous,
-    and the slots it owns (None when it holds no file). A file whose index does not verify ends
-    the share's chain before it (with a warning)."""
+    and the slots it owns (None when it holds no file), those whose gradients are DTensor chunks
+    (every share holds its own of those) marked by a negative entry ``-1 - slot``. A file whose
+    index does not verify ends the share's chain before it (with a warning)."""
     steps: dict = {}
     slots = None
     expected = first
@@ -46,7 +47,7 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
             warn(f"lowdiff: {name} is share {index.index} owning other parameters, not share {share.index}; "
                  f"the chain of share {share.index} ends at step {expected - 1}")
             break
-        slots = index.slots
+        slots = tuple(-1 - slot if slot in index.dtensors else slot for slot in index.slots)
         for step, offset, nbytes in index.batch.records:
             if step != expected:
                 if step > expected:
@@ -100,6 +101,11 @@ class MergedShares:
         owner = [-1] * param_count
         for share, slots in enumerate(slots_per_share):
             for slot in slots:
+                if slot < 0:   # a DTensor chunk in every share: this rank's own (same world size)
+                    slot = -1 - slot
+                    if slot < param_count and self._own is not None and share == self._own:
+                        owner[slot] = share
+                    continue
                 if slot >= param_count or owner[slot] != -1:
                     raise CorruptCheckpointError(self.path, f"differential shares claim parameter {slot} twice or "
                                                             f"beyond the {param_count} parameters")

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 import fastio
-from lowdiff.errors import CheckpointError, CorruptCheckpointError
+from lowdiff.distributed import dtensors
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
 from lowdiff.format import tree
 from lowdiff.format.fullckpt import payload_tensor
 from lowdiff.format.payloadread import apart, placeable, read_payload
@@ -141,8 +142,9 @@ def _exchange_targets(pieces, whole, layout: dict, placed: dict):
         yield whole[run[0]:run[1]]
 
 
-def _state_of(path: str, index, shared, own_part) -> FullState:
-    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``."""
+def _state_of(path: str, index, shared, own_part, chunk=None) -> FullState:
+    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``;
+    a DTensor's chunk (sharded state) as ``chunk(key, local tensor, chunk entry)`` makes it."""
     layout = {e["key"]: e for e in index.layout}
     own, objects = own_part
 
@@ -152,8 +154,11 @@ def _state_of(path: str, index, shared, own_part) -> FullState:
         if key in own:
             entry, data = own[key]
             dtype = dtype_from_name(entry.dtype, path)
-            return torch.frombuffer(data, dtype=dtype).view(entry.shape) if entry.nbytes else \
+            local = torch.frombuffer(data, dtype=dtype).view(entry.shape) if entry.nbytes else \
                 torch.empty(entry.shape, dtype=dtype)
+            if key in index.dtensors and chunk is not None:
+                return chunk(key, local, index.dtensors[key])
+            return local
         raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
     return FullState.from_tree(path, tree.join_tensors(tree.loads(objects, path), lookup))
 
@@ -194,7 +199,8 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     outline = None
     if own_part is not None:
         try:
-            outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part)
+            outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part,
+                                lambda key, local, entry: dtensors.outline(entry, local.dtype))
         except CorruptCheckpointError as exc:
             problems[own] = str(exc)
     problems = _agree_problems(problems, world)
@@ -205,7 +211,8 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     check_full(fset.files[own], index, outline)
     first = indexes[0]
     layout = {e["key"]: e for e in first.layout}
-    placed = _placement(first.layout, into() if into is not None else {}, world)
+    live = into() if into is not None else {}
+    placed = _placement(first.layout, live, world)
     staging = fastio.aligned_buffer(max(first.shared_bytes, PAGE))
     for i in range(rank, fset.count, world):
         try:
@@ -218,8 +225,23 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
         return None
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
-    state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part)
+    state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
+                      _chunk_rebuilder(fset, rank, live) if into is not None else None)
     return _Loaded(indexes[own], state, fset.files[own])
+
+
+def _chunk_rebuilder(fset: FullSet, rank: int, live: dict):
+    """How a DTensor chunk read back becomes the DTensor on the live mesh (sharded state is this
+    rank's own: only a rank that wrote a share can take it back, at the same world size)."""
+    meshes = dtensors.meshes_of(live.values())
+
+    def rebuild(key, local, entry):
+        if rank >= fset.count:
+            raise IncompatibleCheckpointError(
+                f"{fset.files[0]}: sharded (DTensor) state written by {fset.count} ranks cannot be resumed by rank "
+                f"{rank}: resharding to another world size is not supported yet")
+        return dtensors.rebuild(fset.files[rank], key, local, entry, meshes)
+    return rebuild
 
 
 

@@ -1,0 +1,112 @@
+"""One rank of a small FSDP2 run (fully_shard on each Linear and the root, gloo, CPU) that lowdiff
+checkpoints into a partitioned directory; used by test_fsdp2_resume.py.
+
+Each line of --digests: "STEP DIGEST", DIGEST hashing everything this rank holds (its local chunks of
+the parameters and optimizer state, the scheduler, the sampler, every RNG). The first line is
+"resumed STEP DIGEST". With --crash-at K every rank SIGKILLs itself after step K (as torchrun kills a
+job), without flushing.
+"""
+import argparse
+import hashlib
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import lowdiff
+import recovery
+from lowdiff.cli.demo import ShuffledSampler
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def digest(model, opt, sched, sampler) -> str:
+    h = hashlib.sha256()
+
+    def add(t):
+        t = local(t).detach().contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode() + (t.view(-1).view(torch.uint8).numpy().tobytes()
+                                                             if t.numel() else b""))
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        add(value)
+    state = opt.state_dict()
+    for index in sorted(state["state"]):
+        for key, value in sorted(state["state"][index].items()):
+            h.update(f"{index}/{key}".encode())
+            add(value) if isinstance(value, torch.Tensor) else h.update(repr(value).encode())
+    h.update(repr(state["param_groups"]).encode())
+    h.update(repr(sorted(sched.state_dict().items())).encode())
+    h.update(repr(sampler.state_dict()).encode())
+    add(torch.get_rng_state())
+    h.update(repr(random.getstate()).encode() + repr(np.random.get_state(legacy=True)[1].tolist()).encode())
+    return h.hexdigest()
+
+
+def build(args):
+    torch.manual_seed(0)   # the same initial weights on every rank (fully_shard keeps each its chunk)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(24, 5))   # 5 rows: uneven chunks on 2 and 4 ranks
+    for layer in (model[0], model[3]):
+        fully_shard(layer)
+    fully_shard(model)
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    sampler = ShuffledSampler(size=64, seed=args.rank)
+    torch.manual_seed(100 + args.rank)   # each rank its own dropout masks
+    random.seed(args.rank)
+    np.random.seed(args.rank)
+    return model, opt, sched, sampler
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("rank", "world", "port", "steps"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--digests", required=True)
+    p.add_argument("--compressor", choices=["dense", "topk"], default="dense")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--crash-at", type=int)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world)
+    model, opt, sched, sampler = build(args)
+    compressor = lowdiff.Dense() if args.compressor == "dense" else lowdiff.TopK(ratio=0.25, min_numel=16)
+    opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
+                       extra_state={"sampler": sampler})
+    start = recovery.resume(args.dir, model, opt)
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
+    target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))
+    with open(args.digests, "a") as out:
+        out.write(f"resumed {int(start)} {digest(model, opt, sched, sampler)}\n")
+        out.flush()
+        for step in range(int(start), args.steps):
+            idx = sampler.next_batch(8)
+            torch.nn.functional.cross_entropy(model(data[idx]), target[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+            out.write(f"{step + 1} {digest(model, opt, sched, sampler)}\n")
+            out.flush()
+            if args.crash_at == step + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    opt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # torch 2.13 + gloo abort at interpreter exit
+
+
+if __name__ == "__main__":
+    main()
