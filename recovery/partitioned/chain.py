@@ -43,11 +43,12 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
         if not isinstance(index, DiffShareIndex):
             warn(f"lowdiff: {index}; the chain of share {share.index} ends at step {expected - 1}")
             break
-        if index.index != share.index or (slots is not None and index.slots != slots):
+        marked = tuple(-1 - slot if slot in index.dtensors else slot for slot in index.slots)
+        if index.index != share.index or (slots is not None and marked != slots):
             warn(f"lowdiff: {name} is share {index.index} owning other parameters, not share {share.index}; "
                  f"the chain of share {share.index} ends at step {expected - 1}")
             break
-        slots = tuple(-1 - slot if slot in index.dtensors else slot for slot in index.slots)
+        slots = marked
         for step, offset, nbytes in index.batch.records:
             if step != expected:
                 if step > expected:

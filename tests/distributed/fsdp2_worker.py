@@ -8,6 +8,7 @@ job), without flushing.
 """
 import argparse
 import hashlib
+import logging
 import os
 import random
 import signal
@@ -80,6 +81,7 @@ def main():
     p.add_argument("--crash-at", type=int)
     args = p.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
     model, opt, sched, sampler = build(args)

@@ -1,5 +1,5 @@
 """One rank that tries lowdiff.wrap on sharded training lowdiff cannot record (FSDP1, ZeRO, FSDP2
-settings, DTensor parameters) and reports what wrap() did: one JSON line per case on stdout,
+settings, tensor parallelism, a 2-D mesh) and on what it can (FSDP2 on a 1-D mesh), and reports what wrap() did: one JSON line per case on stdout,
 {"case", "error" (exception type or null), "message", "files" (what the directory holds after)}.
 Used by test_fsdp2_refusals.py."""
 import argparse
@@ -31,6 +31,16 @@ def case_fsdp2():   # the issue's reproduction: fully_shard on each Linear and t
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2), model
+
+
+def case_hsdp():   # a 2-D mesh (replicate, shard): HSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    model = mlp()
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 
