@@ -63,7 +63,7 @@ def chunk_entry(tensor) -> dict:
 
 def meshes_of(tensors) -> dict:
     """{(mesh shape, dim names): mesh} of the DTensors among ``tensors``."""
-    out = {}
+    out: dict = {}
     for t in tensors:
         if is_dtensor(t):
             mesh = t.device_mesh

@@ -1,7 +1,7 @@
 """One rank that tries lowdiff.wrap on sharded training lowdiff cannot record (FSDP1, ZeRO, FSDP2
-settings, tensor parallelism, a 2-D mesh) and on what it can (FSDP2 on a 1-D mesh), and reports what wrap() did: one JSON line per case on stdout,
-{"case", "error" (exception type or null), "message", "files" (what the directory holds after)}.
-Used by test_fsdp2_refusals.py."""
+settings, tensor parallelism, a 2-D mesh) and on what it can (FSDP2 on a 1-D mesh), and reports what
+wrap() did: one JSON line per case on stdout, {"case", "error" (exception type or null), "message",
+"files" (what the directory holds after)}. Used by test_fsdp2_refusals.py."""
 import argparse
 import json
 import os
