@@ -58,7 +58,8 @@ def chunk_entry(tensor) -> dict:
                          f"{tuple(tensor._local_tensor.shape)}, not the {tuple(local_shape)} its placements give")
     return {"global_shape": list(tensor.shape), "mesh_shape": list(mesh.shape),
             "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            "placements": [placement_name(p) for p in tensor.placements], "offsets": list(offsets)}
+            "placements": [placement_name(p) for p in tensor.placements], "offsets": list(offsets),
+            "shape": list(local_shape)}
 
 
 def meshes_of(tensors) -> dict:
@@ -144,3 +145,70 @@ class LocalGradTarget:
 def grad_targets(params: list) -> list:
     """``params`` with each DTensor replaced by its LocalGradTarget (see there)."""
     return [LocalGradTarget(p) if is_dtensor(p) else p for p in params]
+
+
+# ---------------------------------------------------------------- resharding (another world size or mesh)
+# Optimizers whose update of an element reads only that element's state and gradient (and scalars):
+# their state after a step does not depend on how the tensors are cut into chunks.
+ELEMENTWISE = frozenset(f"torch.optim.{module}.{name}" for module, name in (
+    ("sgd", "SGD"), ("adam", "Adam"), ("adamw", "AdamW"), ("adagrad", "Adagrad"), ("rmsprop", "RMSprop"),
+    ("adamax", "Adamax"), ("nadam", "NAdam"), ("radam", "RAdam"), ("adadelta", "Adadelta")))
+
+
+def check_reshardable(path: str, optimizer_class: str) -> None:
+    """Refuse resharding the state of an optimizer not known to work element by element (one that
+    reads a whole tensor, e.g. its norm, would step differently on other chunks)."""
+    if optimizer_class not in ELEMENTWISE:
+        raise IncompatibleCheckpointError(
+            f"{path}: sharded state of optimizer {optimizer_class} cannot be resumed at another world size or mesh: "
+            f"lowdiff reshards only optimizers that work element by element "
+            f"({', '.join(sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE))}); resume at the world size it was "
+            f"written with")
+
+
+def live_chunk(tensor) -> tuple:
+    """(mesh, placements, global shape, local shape, offsets) of a live DTensor on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tuple(shape), tuple(offsets)
+
+
+def same_chunk(entry: dict, live) -> bool:
+    """Whether the recorded chunk ``entry`` is this rank's chunk of the live DTensor ``live``."""
+    mesh, placements, global_shape, shape, offsets = live_chunk(live)
+    return (list(global_shape), list(mesh.shape), [placement_name(p) for p in placements], list(offsets),
+            list(shape)) == (entry["global_shape"], entry["mesh_shape"], entry["placements"], entry["offsets"],
+                             entry["shape"])
+
+
+def copy_overlap(dst: torch.Tensor, dst_offsets, src: torch.Tensor, src_offsets) -> None:
+    """Copy the part of ``src`` (a chunk at ``src_offsets`` of a global tensor) that overlaps ``dst``
+    (a chunk at ``dst_offsets`` of the same tensor) into ``dst``."""
+    dst_index, src_index = [], []
+    for d_off, d_n, s_off, s_n in zip(dst_offsets, dst.shape, src_offsets, src.shape):
+        low, high = max(d_off, s_off), min(d_off + d_n, s_off + s_n)
+        if high <= low:
+            return
+        dst_index.append(slice(low - d_off, high - d_off))
+        src_index.append(slice(low - s_off, high - s_off))
+    dst[tuple(dst_index)] = src[tuple(src_index)]
+
+
+def assemble(live, dtype: torch.dtype, pieces) -> torch.Tensor:
+    """This rank's chunk of the live DTensor ``live`` (same global tensor, the live mesh and
+    placements) from recorded chunks ``pieces`` [(chunk entry, local tensor)] that tile the tensor."""
+    _, _, _, shape, offsets = live_chunk(live)
+    out = torch.zeros(shape, dtype=dtype)
+    for entry, tensor in pieces:
+        copy_overlap(out, offsets, tensor.view(entry["shape"]), entry["offsets"])
+    return out
+
+
+def rewrap(chunk: torch.Tensor, live):
+    """The DTensor on ``live``'s mesh and placements whose local chunk is ``chunk``."""
+    from torch.distributed.tensor import DTensor
+
+    stride = [math.prod(live.shape[i + 1:]) for i in range(len(live.shape))]
+    return DTensor.from_local(chunk, live.device_mesh, live.placements, run_check=False, shape=live.shape,
+                              stride=tuple(stride))

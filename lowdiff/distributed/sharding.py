@@ -39,14 +39,15 @@ def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.n
     one pass over the modules and one over the optimizer's parameters."""
     if not torch.distributed.is_available():
         return   # nothing sharded can exist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    # By class, not isinstance: importing torch.distributed.optim scripts functions with torch.jit,
+    # which warns (DeprecationWarning) in torch 2.13; a ZeroRedundancyOptimizer has imported it already.
+    if any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed.optim")
+           for c in type(optimizer).__mro__):
         raise TypeError("torch.distributed.optim.ZeroRedundancyOptimizer steps only this rank's partition of the "
                         "parameters and broadcasts the rest, so the gradients it consumes are not those of every "
                         "parameter lowdiff would record. Wrap the plain optimizer it holds instead "
-                        f"({optimizer.optim.__class__.__name__}) under DistributedDataParallel: lowdiff already "
-                        "writes each rank only a share of every checkpoint")
+                        f"({type(getattr(optimizer, 'optim', optimizer)).__name__}) under DistributedDataParallel: "
+                        "lowdiff already writes each rank only a share of every checkpoint")
     _refuse_fsdp1(model)
     _refuse_placements(optimizer, model)
     _refuse_fsdp2_policies(model)

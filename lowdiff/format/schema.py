@@ -60,7 +60,7 @@ def check_chunk_entry(fields: _Fields, entry: object, where: str) -> dict:
     checked field by field; ``fields`` names the file in the error."""
     if not isinstance(entry, dict):
         raise fields.bad(f"chunk entry of {where} is not an object")
-    sizes = ("global_shape", "mesh_shape", "offsets")
+    sizes = ("global_shape", "mesh_shape", "offsets", "shape")
     if not all(isinstance(entry.get(k), list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                                       for n in entry[k]) for k in sizes):
         raise fields.bad(f"chunk entry of {where} needs lists of sizes {', '.join(sizes)}: {entry!r}")
@@ -75,9 +75,11 @@ def check_chunk_entry(fields: _Fields, entry: object, where: str) -> dict:
                     for p in placements)):
         raise fields.bad(f"chunk entry of {where}: placements {placements!r} are not one 'R' or 'S<dim>' per mesh "
                          f"dimension")
-    if len(entry["offsets"]) != ndim:
-        raise fields.bad(f"chunk entry of {where}: offsets {entry['offsets']} do not have one per dimension")
-    return {k: entry[k] for k in ("global_shape", "mesh_shape", "mesh_dim_names", "placements", "offsets")}
+    if len(entry["offsets"]) != ndim or len(entry["shape"]) != ndim or \
+            any(o + n > g for o, n, g in zip(entry["offsets"], entry["shape"], entry["global_shape"])):
+        raise fields.bad(f"chunk entry of {where}: a chunk of shape {entry['shape']} at {entry['offsets']} does not "
+                         f"lie in a tensor of shape {entry['global_shape']}")
+    return {k: entry[k] for k in ("global_shape", "mesh_shape", "mesh_dim_names", "placements", "offsets", "shape")}
 
 
 def check_header(path: str, obj, kind: str) -> _Fields:

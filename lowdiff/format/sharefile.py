@@ -111,11 +111,13 @@ class FullShareIndex(FullMeta):
         step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(
             fields, fields.get("param_names", list), fields.get("param_aliases", dict))
         chunks = fields.get("dtensors", dict) if "dtensors" in obj else {}
-        own_keys = {t.key for t in tensors}
+        own_shapes = {t.key: list(t.shape) for t in tensors}
         for key, entry in chunks.items():
-            if key not in own_keys:
+            if key not in own_shapes:
                 raise fields.bad(f"dtensors names {key!r}, which is not one of its own tensors")
             chunks[key] = check_chunk_entry(fields, entry, repr(key))
+            if chunks[key]["shape"] != own_shapes[key]:
+                raise fields.bad(f"the chunk entry of {key!r} has shape {entry['shape']}, its tensor {own_shapes[key]}")
         return cls(step, session, run, index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
                    names, aliases, optimizer_class, compressor, chunks)
 

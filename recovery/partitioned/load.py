@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fastio
 from lowdiff.distributed import dtensors
-from lowdiff.errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.format import tree
 from lowdiff.format.fullckpt import payload_tensor
 from lowdiff.format.payloadread import apart, placeable, read_payload
@@ -226,23 +226,51 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
-                      _chunk_rebuilder(fset, rank, live) if into is not None else None)
+                      _chunk_rebuilder(fset, rank, live, indexes) if into is not None else None)
     return _Loaded(indexes[own], state, fset.files[own])
 
 
-def _chunk_rebuilder(fset: FullSet, rank: int, live: dict):
-    """How a DTensor chunk read back becomes the DTensor on the live mesh (sharded state is this
-    rank's own: only a rank that wrote a share can take it back, at the same world size)."""
+def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict):
+    """How a DTensor chunk read back becomes the DTensor on the live mesh: this rank's own chunk at
+    the world size and mesh it was written with; else (resharding) this rank's chunk on the live
+    mesh, cut from the recorded chunks of every share that overlap it (docs/format.md, "Sharded
+    state"), for optimizers that work element by element only."""
     meshes = dtensors.meshes_of(live.values())
+    own = rank if rank < fset.count else 0
+    slot_keys = {slot: f"/model/{key}" for key, slot in indexes[own].param_aliases.items()}
+    read: dict = {}   # share -> {key: (chunk entry, tensor)}, read once
+
+    def live_of(key: str):
+        target = live.get(key)
+        if target is None and key.startswith("/optimizer/state/"):
+            slot = key.split("/")[3]
+            target = live.get(slot_keys.get(int(slot), "")) if slot.isdigit() else None
+        return target if dtensors.is_dtensor(target) else None
 
     def rebuild(key, local, entry):
-        if rank >= fset.count:
-            raise IncompatibleCheckpointError(
-                f"{fset.files[0]}: sharded (DTensor) state written by {fset.count} ranks cannot be resumed by rank "
-                f"{rank}: resharding to another world size is not supported yet")
-        return dtensors.rebuild(fset.files[rank], key, local, entry, meshes)
+        target = live_of(key)
+        if target is None:   # nothing live to compare with: the recorded mesh must exist as it was
+            return dtensors.rebuild(fset.files[own], key, local, entry, meshes)
+        if rank < fset.count and dtensors.same_chunk(entry, target):
+            return dtensors.rewrap(local, target)
+        dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
+        pieces = [_recorded_chunk(fset, indexes, share, key, read) for share in range(fset.count)]
+        return dtensors.rewrap(dtensors.assemble(target, local.dtype, pieces), target)
     return rebuild
 
+
+def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict) -> tuple:
+    """(chunk entry, tensor) of ``key`` in share ``share``, its checksum checked."""
+    if share not in read:
+        path, index = fset.files[share], indexes[share]
+        with fastio.Reader(path) as reader:
+            own, _ = read_own(path, reader, index)
+        read[share] = {k: (index.dtensors[k], torch.frombuffer(data, dtype=dtype_from_name(e.dtype, path))
+                           if e.nbytes else torch.empty(0, dtype=dtype_from_name(e.dtype, path)))
+                       for k, (e, data) in own.items() if k in index.dtensors}
+    if key not in read[share]:
+        raise CorruptCheckpointError(fset.files[share], f"share {share} holds no chunk of {key!r}")
+    return read[share][key]
 
 
 def full_index(share) -> FullIndex:

@@ -1,9 +1,10 @@
 """One rank of a small FSDP2 run (fully_shard on each Linear and the root, gloo, CPU) that lowdiff
 checkpoints into a partitioned directory; used by test_fsdp2_resume.py.
 
-Each line of --digests: "STEP DIGEST", DIGEST hashing everything this rank holds (its local chunks of
-the parameters and optimizer state, the scheduler, the sampler, every RNG). The first line is
-"resumed STEP DIGEST". With --crash-at K every rank SIGKILLs itself after step K (as torchrun kills a
+Each line of --digests: "STEP GATHERED DIGEST": GATHERED hashes the parameters and optimizer state
+gathered to full tensors (the same at any world size), DIGEST everything this rank holds (its local
+chunks of the parameters and optimizer state, the scheduler, the sampler, every RNG). The first line
+is "resumed STEP GATHERED DIGEST". With --crash-at K every rank SIGKILLs itself after step K (as torchrun kills a
 job), without flushing.
 """
 import argparse
@@ -51,6 +52,29 @@ def digest(model, opt, sched, sampler) -> str:
     return h.hexdigest()
 
 
+def gathered(model, opt, sched) -> str:
+    """A hash of the state gathered to full tensors (a collective): the same at any world size."""
+    h = hashlib.sha256()
+
+    def add(t):
+        t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        add(value)
+    state = opt.state_dict()
+    for index in sorted(state["state"]):
+        for key, value in sorted(state["state"][index].items()):
+            h.update(f"{index}/{key}".encode())
+            add(value)
+    h.update(repr(state["param_groups"]).encode() + repr(sorted(sched.state_dict().items())).encode())
+    return h.hexdigest()
+
+
+class OwnSGD(torch.optim.SGD):
+    """A user's optimizer class (whatever its step does, lowdiff cannot know it is element-wise)."""
+
+
 def build(args):
     torch.manual_seed(0)   # the same initial weights on every rank (fully_shard keeps each its chunk)
     model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
@@ -60,8 +84,10 @@ def build(args):
     fully_shard(model)
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    else:
+    elif args.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:   # a class lowdiff does not know to work element by element: resharding it is refused
+        opt = OwnSGD(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     sampler = ShuffledSampler(size=64, seed=args.rank)
     torch.manual_seed(100 + args.rank)   # each rank its own dropout masks
@@ -77,8 +103,9 @@ def main():
     p.add_argument("--dir", required=True)
     p.add_argument("--digests", required=True)
     p.add_argument("--compressor", choices=["dense", "topk"], default="dense")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "own"], default="adamw")
     p.add_argument("--crash-at", type=int)
+    p.add_argument("--resume-only", action="store_true", help="resume, write the 'resumed' line, stop")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
@@ -92,14 +119,14 @@ def main():
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))
     with open(args.digests, "a") as out:
-        out.write(f"resumed {int(start)} {digest(model, opt, sched, sampler)}\n")
+        out.write(f"resumed {int(start)} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")
         out.flush()
-        for step in range(int(start), args.steps):
+        for step in range(int(start), args.steps if not args.resume_only else int(start)):
             idx = sampler.next_batch(8)
             torch.nn.functional.cross_entropy(model(data[idx]), target[idx]).backward()
             opt.step()
             opt.zero_grad()
-            out.write(f"{step + 1} {digest(model, opt, sched, sampler)}\n")
+            out.write(f"{step + 1} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")
             out.flush()
             if args.crash_at == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)

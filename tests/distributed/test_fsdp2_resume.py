@@ -2,7 +2,8 @@
 DTensor chunks and the local gradient chunk its optimizer consumed; after a SIGKILL of every rank the
 restarted job resumes each rank's state (local chunks of parameters and optimizer state, scheduler,
 sampler, RNG) byte for byte as the uninterrupted run had it, and trains on identically (issue #31,
-items 1-2). Before, the run failed at its first checkpoint."""
+items 1-2), and at another world size each new rank's chunks, gathered, are the uninterrupted run's
+(item 3). Before, the run failed at its first checkpoint."""
 import os
 import subprocess
 import sys
@@ -37,15 +38,15 @@ def launch(directory, digests, world, *extra):
     return [(p.returncode, p.communicate()[1]) for p in procs]
 
 
-def digests(path):
-    """(resumed step, {step: digest})."""
+def digests(path, column=-1):
+    """(resumed step, {step: digest}); ``column`` -2: the gathered digests."""
     resumed, out = None, {}
     with open(path) as f:
         for line in f:
             parts = line.split()
             if parts[0] == "resumed":
                 resumed = int(parts[1])
-            out[resumed if parts[0] == "resumed" else int(parts[0])] = parts[-1]
+            out[resumed if parts[0] == "resumed" else int(parts[0])] = parts[column]
     return resumed, out
 
 
@@ -56,9 +57,11 @@ def ok(results):
 
 
 def crashed_run(base, *extra):
-    """The uninterrupted run's digests by rank, and a directory whose job was SIGKILLed after step 7."""
+    """The uninterrupted run's digests by rank (and, third, rank 0's gathered digests), and a
+    directory whose job was SIGKILLed after step 7."""
     ok(launch(base / "ref", base / "ref", 2, *extra))
-    reference = [digests(base / f"ref-{rank}.txt")[1] for rank in range(2)]
+    reference = [digests(base / f"ref-{rank}.txt")[1] for rank in range(2)] + \
+        [digests(base / "ref-0.txt", column=-2)[1]]
     crashed = launch(base / "run", base / "run", 2, "--crash-at", "7", *extra)
     assert [code for code, _ in crashed] == [-9, -9], crashed
     return reference, base / "run"
@@ -68,6 +71,15 @@ def crashed_run(base, *extra):
 def dense_adamw(tmp_path_factory):
     """crashed_run with Dense and AdamW, run once; tests copy the directory before changing it."""
     return crashed_run(tmp_path_factory.mktemp("dense-adamw"))
+
+
+TOPK_SGD = ("--compressor", "topk", "--optimizer", "sgd")
+
+
+@pytest.fixture(scope="module")
+def topk_sgd(tmp_path_factory):
+    """crashed_run with TopK and SGD with momentum, run once."""
+    return crashed_run(tmp_path_factory.mktemp("topk-sgd"), *TOPK_SGD)
 
 
 def copied(directory, target):
@@ -88,12 +100,10 @@ def assert_resumed_exactly(tmp_path, reference, name, lowest=1):
 
 
 @pytest.mark.parametrize("compressor,optimizer", [("dense", "adamw"), ("topk", "sgd")])
-def test_sigkill_of_every_rank_resumes_exactly(tmp_path, dense_adamw, compressor, optimizer):
+def test_sigkill_of_every_rank_resumes_exactly(tmp_path, request, compressor, optimizer):
     extra = ("--compressor", compressor, "--optimizer", optimizer)
-    if extra == ("--compressor", "dense", "--optimizer", "adamw"):
-        reference, directory = dense_adamw[0], copied(dense_adamw[1], tmp_path / "run")
-    else:
-        reference, directory = crashed_run(tmp_path, *extra)
+    reference, directory = request.getfixturevalue(f"{compressor}_{optimizer}")
+    directory = copied(directory, tmp_path / "run")
     ok(launch(directory, tmp_path / "res", 2, *extra))
     # full_every 4, batch_steps 2, killed after step 7 without a flush: at least step 4's full set
     # is durable, usually step 6's batch too; the replay of differentials brings it past 4.
@@ -120,12 +130,45 @@ def test_a_damaged_share_falls_back_to_an_older_set(tmp_path, dense_adamw):
     assert_resumed_exactly(tmp_path, reference, "res", lowest=step)   # from the older set, replayed past it
 
 
-def test_another_world_size_is_refused_with_a_clear_message(tmp_path, dense_adamw):
-    directory = copied(dense_adamw[1], tmp_path / "run")
-    port = free_port()
-    result = subprocess.run([sys.executable, WORKER, "--rank", "0", "--world", "1", "--port", str(port), "--steps",
-                             str(STEPS), "--dir", str(directory), "--digests", str(tmp_path / "one")],
-                            capture_output=True, text=True, timeout=180)
+def resume_at(tmp_path, directory, world, *extra):
+    """Resume a copy of ``directory`` with ``world`` ranks (no training): (step, gathered digest) by rank."""
+    directory = copied(directory, tmp_path / f"run{world}")
+    ok(launch(directory, tmp_path / f"at{world}", world, "--resume-only", *extra))
+    return [digests(tmp_path / f"at{world}-{rank}.txt", column=-2) for rank in range(world)]
+
+
+def check_resharded(reference_gathered, resumed):
+    steps = {step for step, _ in resumed}
+    assert len(steps) == 1 and steps.pop() >= 4, resumed   # past the full set: differentials replayed
+    for step, got in resumed:
+        assert got[step] == reference_gathered[step]
+
+
+def test_resume_at_one_rank_gathers_to_the_uninterrupted_state(tmp_path, dense_adamw):
+    """Issue #31, item 3: each new rank reads the overlapping pieces of the old shards (full set and
+    every differential) and replays its own chunk; the state gathered to full tensors is the
+    uninterrupted run's, byte for byte (AdamW works element by element)."""
+    reference, directory = dense_adamw
+    check_resharded(reference[2], resume_at(tmp_path, directory, 1))
+
+
+@pytest.mark.four_ranks
+def test_resume_at_four_ranks_gathers_to_the_uninterrupted_state(tmp_path, topk_sgd):
+    """2 -> 4 ranks with TopK and SGD with momentum: the recorded chunks are cut into four uneven ones
+    (the last Linear has 5 rows: chunks of 2, 2, 1 and 0 rows)."""
+    reference, directory = topk_sgd
+    check_resharded(reference[2], resume_at(tmp_path, directory, 4, *TOPK_SGD))
+
+
+def test_a_non_elementwise_optimizer_is_refused_at_another_world_size(tmp_path):
+    """An optimizer lowdiff does not know to work element by element (a user's own class) is refused
+    when the chunks change, never resumed differently."""
+    extra = ("--optimizer", "own")
+    directory = tmp_path / "run"
+    ok(launch(directory, tmp_path / "run", 2, *extra))
+    result = subprocess.run([sys.executable, WORKER, "--rank", "0", "--world", "1", "--port", str(free_port()),
+                             "--steps", str(STEPS), "--dir", str(directory), "--digests", str(tmp_path / "one"),
+                             "--resume-only", *extra], capture_output=True, text=True, timeout=180)
     assert result.returncode != 0
-    assert "IncompatibleCheckpointError" in result.stderr and "mesh of shape (2,)" in result.stderr, result.stderr
-    assert "another world size" in result.stderr
+    assert "IncompatibleCheckpointError" in result.stderr and "__main__.OwnSGD" in result.stderr
+    assert "element by element" in result.stderr and "world size it was written with" in result.stderr
