@@ -196,9 +196,14 @@ def copy_overlap(dst: torch.Tensor, dst_offsets, src: torch.Tensor, src_offsets)
 
 
 def assemble(live, dtype: torch.dtype, pieces) -> torch.Tensor:
-    """This rank's chunk of the live DTensor ``live`` (same global tensor, the live mesh and
-    placements) from recorded chunks ``pieces`` [(chunk entry, local tensor)] that tile the tensor."""
-    _, _, _, shape, offsets = live_chunk(live)
+    """This rank's chunk of ``live`` from recorded chunks ``pieces`` [(chunk entry, local tensor)]
+    that tile the tensor: of the live DTensor (its mesh and placements), or the whole tensor when
+    ``live`` is not a DTensor (an unsharded model, or ``export``: a plain tensor of the global shape)."""
+    if is_dtensor(live):
+        _, _, _, shape, offsets = live_chunk(live)
+    else:
+        shape = tuple(pieces[0][0]["global_shape"])
+        offsets = (0,) * len(shape)
     out = torch.zeros(shape, dtype=dtype)
     for entry, tensor in pieces:
         copy_overlap(out, offsets, tensor.view(entry["shape"]), entry["offsets"])

@@ -85,7 +85,8 @@ class MergedShares:
     def __init__(self, root: str, shares: list, base_step: int, param_count: int, own: int | None, warn,
                  fetch: Fetch, live_chunks: dict | None = None):
         """``live_chunks``: {slot: live DTensor parameter}; a recorded DTensor gradient whose chunks
-        are not this rank's chunks of it (another world size or mesh) is cut from every share's."""
+        are not this rank's chunks of it (another world size or mesh), or whose parameter is not a
+        DTensor here (export, an unsharded model: the whole gradient), is cut from every share's."""
         self.path = root
         self._live = live_chunks or {}
         self._chunks = [next((index.dtensors for _, index in share.files if isinstance(index, DiffShareIndex)), {})
@@ -119,7 +120,7 @@ class MergedShares:
                     if slot < param_count and share == self._own and slot in self._live and \
                             dtensors.same_chunk(self._chunks[share][slot], self._live[slot]):
                         owner[slot] = share
-                    elif slot < param_count and owner[slot] == -1 and slot in self._live:
+                    elif slot < param_count and owner[slot] == -1:
                         owner[slot] = _ASSEMBLE   # unless the own share turns out to be it (above)
                     continue
                 if slot >= param_count or owner[slot] != -1:
@@ -198,7 +199,8 @@ class MergedShares:
             if grad.kind != "none":
                 decompress_into(grad, dense)
             pieces.append((entry, dense))
-        values = dtensors.assemble(self._live[slot], pieces[0][1].dtype, pieces).reshape(-1)
+        # No live DTensor (export, an unsharded model): the whole gradient.
+        values = dtensors.assemble(self._live.get(slot), pieces[0][1].dtype, pieces).reshape(-1)
         return Compressed("dense", values.numel(), values)
 
     def close(self) -> None:

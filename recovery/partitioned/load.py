@@ -226,7 +226,7 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
-                      _chunk_rebuilder(fset, rank, live, indexes) if into is not None else None)
+                      _chunk_rebuilder(fset, rank, live, indexes))
     return _Loaded(indexes[own], state, fset.files[own])
 
 
@@ -249,13 +249,16 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict):
 
     def rebuild(key, local, entry):
         target = live_of(key)
-        if target is None:   # nothing live to compare with: the recorded mesh must exist as it was
+        if target is None and meshes:   # a sharded model without this tensor: its mesh must be the recorded one
             return dtensors.rebuild(fset.files[own], key, local, entry, meshes)
-        if rank < fset.count and dtensors.same_chunk(entry, target):
+        if target is not None and rank < fset.count and dtensors.same_chunk(entry, target):
             return dtensors.rewrap(local, target)
+        # Another world size or mesh, or no sharded model at all (export, an unsharded model): this
+        # rank's new chunk, or the whole tensor, cut from every share's recorded chunk.
         dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
         pieces = [_recorded_chunk(fset, indexes, share, key, read) for share in range(fset.count)]
-        return dtensors.rewrap(dtensors.assemble(target, local.dtype, pieces), target)
+        whole = dtensors.assemble(target, local.dtype, pieces)
+        return whole if target is None else dtensors.rewrap(whole, target)
     return rebuild
 
 

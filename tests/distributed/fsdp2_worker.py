@@ -54,20 +54,26 @@ def digest(model, opt, sched, sampler) -> str:
 
 def gathered(model, opt, sched) -> str:
     """A hash of the state gathered to full tensors (a collective): the same at any world size."""
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    state = opt.state_dict()
+    return gathered_of({k: full(v) for k, v in model.state_dict().items()},
+                       {i: {k: full(v) for k, v in s.items()} for i, s in state["state"].items()},
+                       state["param_groups"])
+
+
+def gathered_of(model_state: dict, optimizer_state: dict, param_groups: list) -> str:
+    """The hash ``gathered`` computes, of full tensors (also of what ``python -m lowdiff export`` wrote)."""
     h = hashlib.sha256()
 
-    def add(t):
-        t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().contiguous()
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    for key, value in sorted(model.state_dict().items()):
-        h.update(key.encode())
-        add(value)
-    state = opt.state_dict()
-    for index in sorted(state["state"]):
-        for key, value in sorted(state["state"][index].items()):
-            h.update(f"{index}/{key}".encode())
-            add(value)
-    h.update(repr(state["param_groups"]).encode() + repr(sorted(sched.state_dict().items())).encode())
+    def raw(t):
+        return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    for key, value in sorted(model_state.items()):
+        h.update(key.encode() + raw(value))
+    for index in sorted(optimizer_state):
+        for key, value in sorted(optimizer_state[index].items()):
+            h.update(f"{index}/{key}".encode() + raw(value))
+    h.update(repr([sorted((k, v) for k, v in g.items() if k != "params") for g in param_groups]).encode())
     return h.hexdigest()
 
 
