@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from lowdiff import LowDiffOptimizer
 from lowdiff.distributed.ddp import distributed_rank
-from lowdiff.distributed.dtensors import grad_targets
+from lowdiff.distributed.dtensors import grad_targets, local_chunk
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError
 from lowdiff.format.fullckpt import live_targets
@@ -162,6 +162,11 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     if restored.last_record is not None and residuals:
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
+        residuals = {}
+    params = [p for group in targets.inner.param_groups for p in group["params"]]
+    if any(int(k) >= len(params) or v.numel() != local_chunk(params[int(k)]).numel() for k, v in residuals.items()):
+        warn(f"lowdiff: error-feedback residuals are reset to zero: they were kept for other chunks of the "
+             f"sharded parameters (the checkpoint of step {restored.full_step} was written at another world size)")
         residuals = {}
     result = Resumed(restored.step, restored)
     result.tier = tier

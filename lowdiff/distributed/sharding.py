@@ -21,7 +21,8 @@ Refused (each check names the first offender it finds, in this order):
   dimension (HSDP, FSDP2 + tensor parallelism): not supported yet. FSDP2 on a 1-D mesh is recorded
   (lowdiff.distributed.dtensors).
 
-Not refused: ``reshard_after_forward`` (it changes when parameters are gathered, not what the
+Also refused: replica mode (``lowdiff.Replica``) with DTensor parameters (its CPU copy is of whole
+tensors). Not refused: ``reshard_after_forward`` (it changes when parameters are gathered, not what the
 optimizer consumes).
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ _NOT_YET = ("lowdiff records DTensor state only as FSDP2 fully_shard makes it on
             "checkpoint this model with torch.distributed.checkpoint")
 
 
-def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+                                replica: bool = False) -> None:
     """Raise TypeError (a kind of object lowdiff cannot checkpoint) or ValueError (a setting of a
     supported kind) for sharded training lowdiff cannot record exactly. Cheap when nothing is sharded:
     one pass over the modules and one over the optimizer's parameters."""
@@ -61,6 +63,9 @@ def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.n
         if id(p) not in sharded:
             raise TypeError(f"parameter {name!r} is a DTensor (placements {tuple(p.placements)}) outside any "
                             f"fully_shard()ed module (tensor parallelism): {_NOT_YET}")
+        if replica:
+            raise ValueError(f"parameter {name!r} is a DTensor: replica mode (lowdiff.Replica) does not keep "
+                             f"sharded state yet; use full_every/batch_steps (differentials of the local chunks)")
         if p.device_mesh.ndim != 1:
             raise TypeError(f"parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh of shape "
                             f"{tuple(p.device_mesh.shape)} (HSDP or FSDP2 with tensor parallelism): {_NOT_YET}")

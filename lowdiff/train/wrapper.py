@@ -91,7 +91,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
         loopchecks.refuse_unreplayable(optimizer, model, scheduler)
-        refuse_unsupported_sharding(optimizer, model)
+        refuse_unsupported_sharding(optimizer, model, replica=config.replica)
         loopchecks.warn_unsaved_scheduler(optimizer, scheduler, extra_state)
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.

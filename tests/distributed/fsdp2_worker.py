@@ -108,7 +108,7 @@ def main():
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--digests", required=True)
-    p.add_argument("--compressor", choices=["dense", "topk"], default="dense")
+    p.add_argument("--compressor", choices=["dense", "topk", "topk-ef"], default="dense")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "own"], default="adamw")
     p.add_argument("--crash-at", type=int)
     p.add_argument("--resume-only", action="store_true", help="resume, write the 'resumed' line, stop")
@@ -118,7 +118,8 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
     model, opt, sched, sampler = build(args)
-    compressor = lowdiff.Dense() if args.compressor == "dense" else lowdiff.TopK(ratio=0.25, min_numel=16)
+    compressor = lowdiff.Dense() if args.compressor == "dense" else \
+        lowdiff.TopK(ratio=0.25, min_numel=16, error_feedback=args.compressor == "topk-ef")
     opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
                        extra_state={"sampler": sampler})
     start = recovery.resume(args.dir, model, opt)

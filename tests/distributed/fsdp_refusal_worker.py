@@ -34,6 +34,10 @@ def case_fsdp2():   # the issue's reproduction: fully_shard on each Linear and t
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 
+def case_fsdp2_replica():   # case_fsdp2 wrapped in replica mode
+    return case_fsdp2()
+
+
 def case_hsdp():   # a 2-D mesh (replicate, shard): HSDP
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
@@ -112,9 +116,10 @@ def main():
         directory = os.path.join(args.dir, name)
         optimizer, model = globals()[f"case_{name}"]()
         report = {"case": name, "error": None, "message": ""}
+        when = {"schedule": lowdiff.Replica(full_every=2, batch_steps=1)} if name == "fsdp2_replica" else \
+            {"full_every": 2, "batch_steps": 1}
         try:
-            wrapped = lowdiff.wrap(optimizer, model, directory, compressor=lowdiff.Dense(), full_every=2,
-                                   batch_steps=1)
+            wrapped = lowdiff.wrap(optimizer, model, directory, compressor=lowdiff.Dense(), **when)
         except Exception as exc:   # reported, judged by the test
             report.update(error=type(exc).__name__, message=str(exc))
         else:

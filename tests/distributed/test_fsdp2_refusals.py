@@ -30,6 +30,7 @@ def run(tmp_path, world, cases):
 # case -> (exception type, words the message must hold)
 REFUSED = {
     "tensor_parallel": ("TypeError", ["'0.weight'", "DTensor", "outside any fully_shard()ed module"]),
+    "fsdp2_replica": ("ValueError", ["'0.weight'", "replica mode", "full_every/batch_steps"]),
     "hsdp": ("TypeError", ["'0.weight'", "2-D mesh of shape (1, 1)", "HSDP", "1-D mesh"]),
     "fsdp2_mixed": ("ValueError", ["module '2'", "MixedPrecisionPolicy(param_dtype=torch.bfloat16",
                                    "mp_policy=MixedPrecisionPolicy()"]),
