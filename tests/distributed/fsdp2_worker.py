@@ -112,6 +112,7 @@ def main():
     p.add_argument("--optimizer", choices=["adamw", "sgd", "own"], default="adamw")
     p.add_argument("--crash-at", type=int)
     p.add_argument("--resume-only", action="store_true", help="resume, write the 'resumed' line, stop")
+    p.add_argument("--resume-step", type=int, help="resume at this step (time travel)")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
@@ -122,7 +123,7 @@ def main():
         lowdiff.TopK(ratio=0.25, min_numel=16, error_feedback=args.compressor == "topk-ef")
     opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
                        extra_state={"sampler": sampler})
-    start = recovery.resume(args.dir, model, opt)
+    start = recovery.resume(args.dir, model, opt, step=args.resume_step)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))
     with open(args.digests, "a") as out:
