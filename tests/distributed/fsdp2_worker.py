@@ -81,12 +81,31 @@ class OwnSGD(torch.optim.SGD):
     """A user's optimizer class (whatever its step does, lowdiff cannot know it is element-wise)."""
 
 
+class Tied(torch.nn.Module):
+    """Takes 8 features as the MLP does; its output layer is tied to an input embedding (one
+    parameter, two state-dict names), as a language model's head is."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 6)
+        self.embed = torch.nn.Embedding(5, 6)
+        self.head = torch.nn.Linear(6, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)) + self.embed.weight.mean(0))
+
+
 def build(args):
     torch.manual_seed(0)   # the same initial weights on every rank (fully_shard keeps each its chunk)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(24, 5))   # 5 rows: uneven chunks on 2 and 4 ranks
-    for layer in (model[0], model[3]):
-        fully_shard(layer)
+    if args.tied:
+        model = Tied()
+        fully_shard(model.body)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                    torch.nn.Linear(24, 5))   # 5 rows: uneven chunks on 2 and 4 ranks
+        for layer in (model[0], model[3]):
+            fully_shard(layer)
     fully_shard(model)
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -113,6 +132,7 @@ def main():
     p.add_argument("--crash-at", type=int)
     p.add_argument("--resume-only", action="store_true", help="resume, write the 'resumed' line, stop")
     p.add_argument("--resume-step", type=int, help="resume at this step (time travel)")
+    p.add_argument("--tied", action="store_true", help="a model with a tied weight (Tied)")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr

@@ -202,3 +202,16 @@ def test_time_travel_to_an_earlier_step_of_a_sharded_directory(tmp_path, dense_a
         for rank in range(2):
             resumed, got = digests(tmp_path / f"{name}-{rank}.txt")
             assert resumed == step and got[step] == reference[rank][step], (step, rank)
+
+
+def test_a_tied_weight_is_stored_once_and_resumed_exactly(tmp_path):
+    """A weight tied to another module's (one DTensor under two state-dict names, as a language
+    model's head and embedding) is one chunk in each share, and the resume is exact."""
+    reference, directory = crashed_run(tmp_path, "--tied")
+    path = str(directory / "rank-00001" / sorted(n for n in os.listdir(directory / "rank-00001")
+                                                 if n.startswith("full-"))[-1])
+    with fastio.Reader(path) as reader:
+        keys = [t.key for t in read_full_share_index(path, reader).tensors]
+    assert "/model/embed.weight" in keys and "/model/head.weight" not in keys
+    ok(launch(directory, tmp_path / "res", 2, "--tied"))
+    assert_resumed_exactly(tmp_path, reference, "res", lowest=4)
