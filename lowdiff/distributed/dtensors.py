@@ -17,7 +17,9 @@ from lowdiff.errors import IncompatibleCheckpointError
 
 
 def is_dtensor(tensor: object) -> bool:
-    if not torch.distributed.is_available():
+    # By class name first: called for every gradient of every step, it must not import
+    # torch.distributed.tensor (or pay for an import statement) when nothing is sharded.
+    if type(tensor).__name__ != "DTensor" or not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
 
