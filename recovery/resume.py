@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lowdiff import LowDiffOptimizer
 from lowdiff.distributed.ddp import distributed_rank
+from lowdiff.distributed.dtensors import grad_targets, local_chunk
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError
 from lowdiff.format.fullckpt import live_targets
@@ -162,6 +163,11 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
         residuals = {}
+    params = [p for group in targets.inner.param_groups for p in group["params"]]
+    if any(int(k) >= len(params) or v.numel() != local_chunk(params[int(k)]).numel() for k, v in residuals.items()):
+        warn(f"lowdiff: error-feedback residuals are reset to zero: they were kept for other chunks of the "
+             f"sharded parameters (the checkpoint of step {restored.full_step} was written at another world size)")
+        residuals = {}
     result = Resumed(restored.step, restored)
     result.tier = tier
     if wrapper is not None:
@@ -220,7 +226,9 @@ class _Targets:
         return live_targets(self.model, self.inner, exclude=capture.trained_elsewhere(self.model, self.inner))
 
     def params(self, index) -> list:
-        return [p for group in self.inner.param_groups for p in group["params"]]
+        # A DTensor parameter's recorded gradient is its local chunk: replay sets it through the
+        # parameter's LocalGradTarget, which hands the optimizer the DTensor around it.
+        return grad_targets([p for group in self.inner.param_groups for p in group["params"]])
 
 
 def _check_scheduler_was_wrapped(scheduler, wrapper: LowDiffOptimizer) -> None:

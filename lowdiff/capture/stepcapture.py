@@ -15,6 +15,7 @@ import torch
 
 from lowdiff.capture.devicecopy import DeviceCopy
 from lowdiff.distributed.ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
+from lowdiff.distributed.dtensors import local_chunk
 from lowdiff.format import tree
 from lowdiff.format.records import StepRecord
 from lowdiff.format.schema import TrainedWith
@@ -118,13 +119,14 @@ class StepCapture:
             if p.grad is None or slot in self._recorded_elsewhere:
                 out.append(NO_GRAD)
                 continue
-            compressed = self._recorder.compress(p.grad, slot, self.residuals)
+            # A DTensor's gradient is recorded as its local chunk (what this rank's optimizer consumes).
+            compressed = self._recorder.compress(local_chunk(p.grad), slot, self.residuals)
             # Under DDP the comm hook already produced the gradient: it is recorded unchanged.
             if self._recorder is self.compressor:
                 if compressed.kind == "sparse":
-                    decompress_into(compressed, p.grad)
+                    decompress_into(compressed, local_chunk(p.grad))
                 elif self.compressor.error_feedback:
-                    p.grad.view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
+                    local_chunk(p.grad).view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
             out.append(compressed)
         return out
 

@@ -26,6 +26,7 @@ from lowdiff.capture.betweensteps import BetweenStepsWatch
 from lowdiff.capture.stepcapture import StepCapture
 from lowdiff.control.controller import Controller
 from lowdiff.distributed.ddp import distributed_rank, is_ddp
+from lowdiff.distributed.sharding import refuse_unsupported_sharding
 from lowdiff.errors import CheckpointError
 from lowdiff.persist.replica import Replica as ReplicaWorker
 from lowdiff.persist.replica import check_replica_arguments
@@ -90,6 +91,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
         loopchecks.refuse_unreplayable(optimizer, model, scheduler)
+        refuse_unsupported_sharding(optimizer, model, replica=config.replica)
         loopchecks.warn_unsaved_scheduler(optimizer, scheduler, extra_state)
         loopchecks.warn_inexact_loaders(extra_state or {})
         if engine is None:
