@@ -487,6 +487,8 @@ def run_real(args, out_dir: str) -> list[dict]:
             rows.append({"round": r, "load_avg_1m": os.getloadavg()[0], **row})
         print(f"(round {r + 1} of {args.rounds} done, load average {os.getloadavg()[0]:.1f})", flush=True)
     _write_csv(os.path.join(out_dir, "tune_real.csv"), rows)
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(os.path.join(out_dir, "tune_real.csv")))
     print_real(rows, args)
     return rows
 
@@ -538,26 +540,6 @@ def _write_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _plot(rows: list[dict], out_dir: str) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plots)")
-        return
-    for profile in dict.fromkeys(r["profile"] for r in rows):
-        fig, ax = plt.subplots()
-        for b in GRID_B:
-            pts = sorted((r["full_every"], r["wasted_h"]) for r in rows
-                         if r["profile"] == profile and r["policy"] == "grid" and r["batch_steps"] == b)
-            ax.plot(*zip(*pts), marker=".", label=f"B={b}")
-        ctl = next(r for r in rows if r["profile"] == profile and r["policy"] == "controller")
-        ax.plot([ctl["full_every"]], [ctl["wasted_h"]], "k*", markersize=12, label="controller")
-        ax.set(xscale="log", xlabel="full_every", ylabel="wasted hours", title=profile)
-        ax.legend()
-        fig.savefig(os.path.join(out_dir, f"tune_{profile.replace('/', '_')}.png"))
-        plt.close(fig)
 
 
 def main() -> int:
@@ -631,7 +613,8 @@ def main() -> int:
           f"Young/Daly's interval too — it cannot beat it, and does not lose to it)")
     print("(controller: differentials='auto', may choose full checkpoints only, F/-; ctl-diffs: the controller "
           "keeping differentials; grid: F x B in " + str(GRID_B) + " and F/- without differentials)")
-    _plot(rows, args.out)
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(os.path.join(args.out, "tune_simulation.csv")))
     if not args.skip_real:
         _real_verdict(run_real(args, args.out))
     return 0
