@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ from lowdiff.control.costmodel import (  # noqa: E402
     solve,
     young_daly_full_every,
 )
+from lowdiff.control.meter import CostMeter  # noqa: E402
 from lowdiff.control.policy import LEARNING_FULL_COSTS, PROBE_WARMUP, Measured, Policy  # noqa: E402
 from lowdiff.step.compress import decompress_into  # noqa: E402
 from lowdiff.store.inventory import take_inventory  # noqa: E402
@@ -465,10 +467,19 @@ def real_round(launcher: Launcher, settings_list: list[str], lives: list[float],
             record_ratio = float(np.median(ratio))
         except (OSError, ValueError, KeyError):
             restart_s = record_ratio = math.nan
+        # The costs the trainers measured in this very run (same load, same disk), for the scale
+        # model's validation (experiments/scale_model.py --validate).
+        meter = CostMeter()
+        try:
+            meter.load(directory)
+            in_run = meter.costs(not (chosen or settings).endswith("/off"))
+        except ValueError:
+            in_run = None
         shutil.rmtree(directory)
         rows.append({"settings": settings, "last_in_force": chosen or settings, "durable_steps": durable,
                      "wall_s": sum(lives), "kills": len(lives) - 1, "restart_s": restart_s,
-                     "record_ratio": record_ratio, "goodput_steps_per_s": durable / sum(lives)})
+                     "record_ratio": record_ratio, "goodput_steps_per_s": durable / sum(lives),
+                     "in_run_costs": json.dumps(dataclasses.asdict(in_run)) if in_run is not None else ""})
     return rows
 
 
