@@ -155,7 +155,9 @@ def tune(t: Table, fig) -> None:
                 if r["policy"] == policy:
                     ax.plot([t.number(r, "full_every")], [t.number(r, "wasted_h")], style, markersize=11,
                             label=f"{policy} ({r['full_every']}/{r['batch_steps']})")
-        ax.set(xscale="log", xlabel="full_every (steps)", ylabel="wasted hours", title=profile)
+        log_y = all(t.number(r, "wasted_h") > 0 for r in mine)   # the grid spans decades
+        ax.set(xscale="log", yscale="log" if log_y else "linear", xlabel="full_every (steps)",
+               ylabel="wasted hours", title=profile)
         ax.legend(fontsize=6)
 
 
