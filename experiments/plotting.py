@@ -123,6 +123,8 @@ def tiers(t: Table, ax) -> None:
     err = [t.numbers(r, "stall_se_ms") or 0.0 for r in t.rows]
     ax.bar(names, stall, yerr=err, capsize=4, color="tab:blue")
     ax.set(ylabel="training stall per full checkpoint (ms)", title="stall per checkpoint by tier")
+    if min(stall) > 0 and max(stall) > 20 * min(stall):   # straight-to-slow beside milliseconds: log scale
+        ax.set_yscale("log")
     ax.tick_params(axis="x", rotation=20)
 
 
@@ -187,6 +189,9 @@ def write_bandwidth(t: Table, ax) -> None:
                 label=f"{method} (device limit)" if device else method)
     ax.set(xscale="log", xlabel="checkpoint size (MiB)", ylabel="write bandwidth (GB/s)",
            title="write bandwidth vs the device limit")
+    sizes = sorted({t.number(r, "size_bytes") / 2**20 for r in rows})
+    ax.minorticks_off()
+    ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
 
@@ -216,7 +221,7 @@ def roundtrip(t: Table, ax) -> None:
     ax.set_yticks(range(len(labels)), labels)
     for i, r in enumerate(t.rows):
         for j, c in enumerate(checks):
-            ax.text(j, i, r[c], ha="center", va="center", fontsize=7)
+            ax.text(j, i, r[c], ha="center", va="center", fontsize=7, color="white")
     ax.set_title("resumed data order vs uninterrupted")
 
 
