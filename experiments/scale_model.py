@@ -17,7 +17,7 @@ controller does. What this module adds is the cluster around one rank:
 - per day: failures, lost work, recovery (restart + load + replay), stalls, shared-storage traffic
   against its bandwidth, and the effective training time.
 
-Inputs, each with its source, are printed with every table (``--sources``). ``--stats FILE`` takes
+Inputs, each with its source, are printed before the tables. ``--stats FILE`` takes
 the per-rank ratios lowdiff measured (a saved ``opt.stats()`` or CONTROLLER.json); ``--validate
 DIR`` compares the model with the real SIGKILL runs of experiments/tune_frequency.py saved in DIR
 (tune_measured.json + tune_real.csv). Writes CSVs and figures (experiments/plotting.py) to --out.
