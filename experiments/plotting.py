@@ -243,7 +243,8 @@ def sweep(t: Table, fig) -> None:
 
 def predicted_vs_measured(t: Table, ax) -> None:
     """Predicted against measured goodput per setting (the scale model's validation)."""
-    names = [r["settings"] for r in t.rows]
+    rounds = {r.get("round", "") for r in t.rows}
+    names = [r["settings"] + (f"\nround {r['round']}" if len(rounds) > 1 else "") for r in t.rows]
     measured = [t.number(r, "measured_goodput") for r in t.rows]
     predicted = [t.number(r, "predicted_goodput") for r in t.rows]
     x = range(len(names))
