@@ -7,6 +7,12 @@ differentials, a full checkpoint every --full-every steps, all configurations in
   staged         lowdiff.wrap(..., LOCAL, tiers=Tiers(SHARED)) local first, drained to the slow tier in
                                                                the background (keep-last 2 in both tiers)
   staged-keepall the same with KeepAll() in both tiers         (storage without cleaning)
+  staged-s3      lowdiff.wrap(..., LOCAL, tiers=Tiers("s3://..."))  local first, drained to an S3 bucket:
+                                                               a moto server on 127.0.0.1 behind the
+                                                               tests' proxy (tests/integration/s3_helpers),
+                                                               uploads throttled to the same MB/s as the
+                                                               slow tier (keep-last 2 in both tiers);
+                                                               left out when moto_server is not installed
 
 The slow shared tier is, by default, an ext4 filesystem on a loop device (a sparse file under
 --image-dir: /dev/shm when it is a tmpfs, else /var/tmp) whose reads and writes are throttled by
@@ -60,6 +66,7 @@ this run. Each run saves its raw measurements (*_runs.json); --from-json prints 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -74,7 +81,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 RESULTS = HERE / "results"
-CONFIGS = ("local-only", "direct-slow", "staged", "staged-keepall")
+BUCKET = "lowdiff-bench"
+
+
+@contextlib.contextmanager
+def object_store(mbps: float):
+    """A moto server and the tests' proxy in front of it, uploads throttled to ``mbps`` MB/s; the
+    environment (inherited by the configurations' processes) points boto3 at the proxy. Yields a
+    line describing it, or None without moto_server (staged-s3 is then left out)."""
+    if shutil.which("moto_server") is None:
+        yield None
+        return
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "integration"))
+    import s3_helpers
+
+    with s3_helpers.moto_server() as url:
+        proxy = s3_helpers.FaultProxy(url)
+        proxy.bytes_per_s = mbps * 1e6
+        os.environ.update(s3_helpers.CREDENTIALS, AWS_ENDPOINT_URL=proxy.url)
+        s3_helpers.s3_client(url).create_bucket(Bucket=BUCKET)
+        try:
+            yield f"object store: moto_server at {url} behind a proxy throttling uploads to {mbps:.1f} MB/s"
+        finally:
+            proxy.close()
+CONFIGS = ("local-only", "direct-slow", "staged", "staged-keepall", "staged-s3")
 
 
 # ---------------------------------------------------------------------------- the slow tier
@@ -270,11 +300,16 @@ def run_config(args) -> dict:
     marks: dict = {}
     inner.register_step_pre_hook(lambda *a: marks.__setitem__("pre", clocks()))
     inner.register_step_post_hook(lambda *a: marks.__setitem__("post", clocks()))
-    local, shared = Path(args.local), Path(args.shared)
+    local, shared = Path(args.local), Path(args.shared if args.config != "staged-s3" else args.local)
     tiers = None
     directory = local
     if args.config == "direct-slow":
         directory = shared
+    elif args.config == "staged-s3":
+        from lowdiff.tiers.objectstore import ObjectStore
+
+        tiers = Tiers(args.shared, local=KeepLast(2), shared=KeepLast(2), max_lag_steps=args.max_lag_steps,
+                      object_store=ObjectStore(part_bytes=8 << 20))
     elif args.config.startswith("staged"):
         policy = KeepAll() if args.config == "staged-keepall" else KeepLast(2)
         tiers = Tiers(str(shared), local=policy, shared=policy, max_lag_steps=args.max_lag_steps)
@@ -303,7 +338,7 @@ def run_config(args) -> dict:
             # for a writer, the drainer or the GIL): wall - on CPU - waiting for a CPU.
             lowdiff_cpu_s.append(outer[1] - own[1])
             blocked_s.append((outer[0] - outer[1] - outer[2]) - (own[0] - own[1] - own[2]))
-        if tiers is not None:
+        if tiers is not None and args.config != "staged-s3":
             storage.append(storage_sample(step + 1, local, shared))
     assert started is not None
     loop_s = time.perf_counter() - started
@@ -312,7 +347,7 @@ def run_config(args) -> dict:
     closing = time.perf_counter()
     opt.close()
     close_s = time.perf_counter() - closing
-    if tiers is not None:
+    if tiers is not None and args.config != "staged-s3":
         storage.append(storage_sample(total, local, shared))
     tier_stats = stats.get("tiers", {})
     drained = opt.stats().get("tiers", {})   # after close: the drain of what training left too
@@ -328,7 +363,7 @@ def run_config(args) -> dict:
 # ---------------------------------------------------------------------------- driver
 def launch(config: str, args, slow: SlowTier, workdir: Path, attempt: int) -> dict:
     local = workdir / f"local-{config}-{attempt}"
-    shared = slow.root / f"{config}-{attempt}"
+    shared = f"s3://{BUCKET}/{config}-{attempt}" if config == "staged-s3" else slow.root / f"{config}-{attempt}"
     out = workdir / f"{config}-{attempt}.json"
     cmd = [sys.executable, __file__, "--child", config, "--local", str(local), "--shared", str(shared),
            "--result", str(out), "--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -337,7 +372,8 @@ def launch(config: str, args, slow: SlowTier, workdir: Path, attempt: int) -> di
     subprocess.run(cmd, check=True, preexec_fn=slow.preexec())
     result = json.loads(out.read_text())
     shutil.rmtree(local, ignore_errors=True)
-    shutil.rmtree(shared, ignore_errors=True)
+    if config != "staged-s3":
+        shutil.rmtree(shared, ignore_errors=True)
     return result
 
 
@@ -422,17 +458,23 @@ def main(argv=None) -> int:
               f"read-back ~{2 * args.persist_steps:g} of the {args.full_every} between full checkpoints")
     slow = SlowTier(args.shared_dir, args.image_gb, args.throttle_mbps, workdir, args.image_dir)
     runs: dict = {c: [] for c in CONFIGS}
+    bucket = contextlib.ExitStack()
     try:
+        described = bucket.enter_context(object_store(args.throttle_mbps))
+        print(described or "object store: moto_server is not installed; staged-s3 left out")
         for line in slow.describe():
             print(line)
         begun = time.perf_counter()
         for attempt in range(args.repeats):
             order = CONFIGS[attempt % len(CONFIGS):] + CONFIGS[:attempt % len(CONFIGS)]
             for config in order:
+                if config == "staged-s3" and described is None:
+                    continue
                 print(f"  [{time.perf_counter() - begun:6.1f} s] repeat {attempt + 1}/{args.repeats}: {config} ...",
                       flush=True)
                 runs[config].append(launch(config, args, slow, workdir, attempt))
     finally:
+        bucket.close()
         slow.close()
         shutil.rmtree(workdir, ignore_errors=True)
     load = os.getloadavg()
@@ -452,8 +494,9 @@ def report(saved: dict) -> None:
     """Print the tables of one run's measurements (``saved``: see main) and write the CSVs."""
     args = argparse.Namespace(**saved["args"])
     runs, load = saved["runs"], saved["load_end"]
-    stats = {c: pooled(runs[c]) for c in CONFIGS}
-    summary = {c: stall_summary(runs[c], args) for c in CONFIGS}
+    present = [c for c in CONFIGS if runs.get(c)]   # staged-s3 is left out without moto_server
+    stats = {c: pooled(runs[c]) for c in present}
+    summary = {c: stall_summary(runs[c], args) for c in present}
     local = summary["local-only"]
     # A ratio to local-only's stall means something only where that stall is told apart from zero.
     ratio_ok = local["stall_ms"] > 2 * local["stall_se_ms"]
@@ -468,7 +511,7 @@ def report(saved: dict) -> None:
     print("-" * len(header))
     rows = []
     local_wall = stats["local-only"]["loop_s"] / stats["local-only"]["steps"] * 1e3
-    for config in CONFIGS:
+    for config in present:
         s, m = stats[config], summary[config]
         wall_ms = s["loop_s"] / s["steps"] * 1e3
         drain = "-" if s["lag_steps"][0] is None else f"{s['lag_steps']} / {s['backpressure_waits']}"
@@ -547,8 +590,8 @@ def verdict_line(summary: dict, args, local_wall_ms: float) -> None:
 def drain_lines(runs: dict, args) -> None:
     """What the drainer spent per checkpoint interval, and what reading each copy back costs."""
     print("\ndrainer, per checkpoint interval (total over the run, training and close, / full checkpoints):")
-    for config in ("staged", "staged-keepall"):
-        done = [r["tier_stats"] for r in runs[config] if r.get("tier_stats")]
+    for config in ("staged", "staged-keepall", "staged-s3"):
+        done = [r["tier_stats"] for r in runs.get(config, []) if r.get("tier_stats")]
         if not done:
             continue
         fulls = sum(r["fulls"] for r in runs[config])

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lowdiff import LowDiffOptimizer
 from lowdiff.distributed.ddp import distributed_rank
+from lowdiff.distributed.dtensors import grad_targets, local_chunk
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError
 from lowdiff.format.fullckpt import live_targets
@@ -21,7 +22,7 @@ from recovery.partitioned.restore import restore_partitioned
 from recovery.pipeline.replay import check_workers
 from recovery.plan import checkpoint_directory, warn
 from recovery.restore import execute_directory, plan_directory, planned_step
-from recovery.tiers import restore_from_tiers, shared_tier
+from recovery.tiers import object_store_of, restore_from_tiers, shared_tier
 
 
 def restore_grad_scaler(scaler, stored) -> None:
@@ -148,7 +149,7 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
         restored, tier, own = restore_from_tiers(
             directory, shared, check_full=targets.check_full, stop_step=step, apply_full=targets.apply_full,
             params_for=targets.params, optimizer_for=lambda index: targets.inner, workers=workers,
-            into=targets.live_tensors)
+            into=targets.live_tensors, object_store=object_store_of(targets.wrapper))
     wrapper = targets.wrapper
     if restored is None:
         if wrapper is not None:
@@ -161,6 +162,11 @@ def resume(directory: str | os.PathLike[str], model: torch.nn.Module, optimizer:
     if restored.last_record is not None and residuals:
         warn(f"lowdiff: error-feedback residuals are reset to zero: step {restored.step} is not a full "
              f"checkpoint step (the residual of step {restored.full_step} would be stale)")
+        residuals = {}
+    params = [p for group in targets.inner.param_groups for p in group["params"]]
+    if any(int(k) >= len(params) or v.numel() != local_chunk(params[int(k)]).numel() for k, v in residuals.items()):
+        warn(f"lowdiff: error-feedback residuals are reset to zero: they were kept for other chunks of the "
+             f"sharded parameters (the checkpoint of step {restored.full_step} was written at another world size)")
         residuals = {}
     result = Resumed(restored.step, restored)
     result.tier = tier
@@ -195,6 +201,7 @@ class _Targets:
                             f"got {type(optimizer).__name__}")
         wrapper = optimizer if isinstance(optimizer, LowDiffOptimizer) else None
         if wrapper is not None:
+            _check_scheduler_was_wrapped(scheduler, wrapper)
             scheduler = scheduler or wrapper.scheduler
             extra_state = extra_state or wrapper.extra_state
             grad_scaler = grad_scaler or wrapper.grad_scaler
@@ -219,7 +226,22 @@ class _Targets:
         return live_targets(self.model, self.inner, exclude=capture.trained_elsewhere(self.model, self.inner))
 
     def params(self, index) -> list:
-        return [p for group in self.inner.param_groups for p in group["params"]]
+        # A DTensor parameter's recorded gradient is its local chunk: replay sets it through the
+        # parameter's LocalGradTarget, which hands the optimizer the DTensor around it.
+        return grad_targets([p for group in self.inner.param_groups for p in group["params"]])
+
+
+def _check_scheduler_was_wrapped(scheduler, wrapper: LowDiffOptimizer) -> None:
+    """A wrapped optimizer's checkpoints hold the scheduler given to ``wrap`` (or those in its
+    extra_state); one given only here has no state in them and would silently restore nothing."""
+    if scheduler is None or wrapper.scheduler is not None:   # another one is loaded with the wrapped one's state
+        return
+    if any(scheduler is obj for obj in wrapper.extra_state.values()):
+        return
+    raise ValueError(f"recovery.resume(scheduler={type(scheduler).__name__}): lowdiff.wrap was given no scheduler, so "
+                     f"the checkpoints hold no state of this one and resume would restore nothing into it. Pass it "
+                     f"to lowdiff.wrap(..., scheduler=...) (or in extra_state) and call recovery.resume(dir, model, "
+                     f"opt) without it")
 
 
 def _restore_any_layout(directory: str, targets: _Targets, step: int | None, workers: int | None):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import tempfile
 
 import torch.distributed as dist
 
 from lowdiff.distributed.partition import is_partitioned
-from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
+from lowdiff.tiers.bucket import stage
 from lowdiff.tiers.marker import read_marker
+from lowdiff.tiers.objectstore import is_object_url
 from recovery.execute import Restored
 from recovery.partitioned.plan import plan_sets
 from recovery.partitioned.restore import restore_partitioned
@@ -66,7 +69,7 @@ def shared_tier(directory: str, wrapper, shared_dir) -> str | None:
     """The shared tier of ``directory``: ``shared_dir`` if given, else the wrapped optimizer's,
     else the one its ``TIERS.json`` names (None: the directory has no shared tier)."""
     if shared_dir is not None:
-        return os.path.abspath(os.fspath(shared_dir))
+        return shared_dir if is_object_url(shared_dir) else os.path.abspath(os.fspath(shared_dir))
     tiers = getattr(getattr(wrapper, "config", None), "tiers", None)
     if tiers is not None:
         return tiers.shared_dir
@@ -78,7 +81,13 @@ def shared_tier(directory: str, wrapper, shared_dir) -> str | None:
     return None if marker is None else marker["shared_dir"]
 
 
-def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | None,
+def object_store_of(wrapper):
+    """The wrapped optimizer's ``Tiers(object_store=...)`` (None: the defaults)."""
+    tiers = getattr(getattr(wrapper, "config", None), "tiers", None)
+    return getattr(tiers, "object_store", None)
+
+
+def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | None, object_store=None,
                        **run) -> tuple[Restored | None, str, bool]:
     """(Restored or None for two empty tiers, "local" | "shared", whether this rank got its own
     per-rank state back). ``run``: apply_full, params_for, optimizer_for, workers, into
@@ -88,6 +97,9 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
     the first is restored; so its full checkpoint can be read straight into the caller's tensors
     (``into``). If its records or full checkpoints fail to verify and it ends before the other
     tier's reach, the other is restored, and the further of the two kept."""
+    if is_object_url(shared):
+        return _restore_with_bucket(local, shared, check_full=check_full, stop_step=stop_step,
+                                    object_store=object_store, **run)
     if is_partitioned(local) or is_partitioned(shared):
         return restore_partitioned_tiers(local, shared, check_full=check_full, stop_step=stop_step, **run)
     errors: dict = {}
@@ -106,6 +118,42 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
         raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
             f"{tier} tier {directories[tier]}: {exc}" for tier, exc in errors.items()))
     return restored, tier, own
+
+
+def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | None, object_store,
+                         **run) -> tuple[Restored | None, str, bool]:
+    """``restore_from_tiers`` with the shared tier in an object store: when the bucket's newest
+    commit reaches further than the local tier (or the local one is gone), the files it lists are
+    fetched into a temporary directory, each checked against the size and CRC-32C the commit names,
+    and the two directories are restored as plain tiers. A bucket that cannot be read is skipped
+    with a warning, as a damaged shared directory is."""
+    try:
+        local_reach = directory_reach(local, stop_step)
+    except (NoCheckpointError, CorruptCheckpointError, OSError):
+        local_reach = -1
+    with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
+        try:
+            stage(url, staging, worth=lambda manifest: manifest_reach(manifest, stop_step) > local_reach,
+                  options=object_store)
+        except (CheckpointError, OSError) as exc:
+            warn(f"lowdiff: the shared tier {url} cannot be read: {exc}")
+        restored, tier, own = restore_from_tiers(local, staging, check_full=check_full, stop_step=stop_step, **run)
+    if restored is not None and tier == "shared":
+        restored = dataclasses.replace(restored, directory=url)
+        log.info("lowdiff: (the shared tier's files came from %s)", url)
+    return restored, tier, own
+
+
+def manifest_reach(manifest, stop_step: int | None) -> int:
+    """The step the chain of ``manifest``'s newest full checkpoint (at or before ``stop_step``)
+    reaches, capped at ``stop_step``; -1 when it has none."""
+    if stop_step is not None and manifest.fulls and not manifest.retains(stop_step):
+        return -1
+    fulls = [f.step for f in manifest.fulls if stop_step is None or f.step <= stop_step]
+    if not fulls:
+        return -1
+    reach = chain_end(manifest, max(fulls), plan_chain(manifest, max(fulls)))
+    return reach if stop_step is None else min(reach, stop_step)
 
 
 def directory_reach(directory: str, stop_step: int | None) -> int:

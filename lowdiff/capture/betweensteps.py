@@ -14,12 +14,25 @@ training forward (train mode, gradients enabled) after each boundary, every RNG 
 persistent buffer with what the boundary captured, and warns once per kind (RNG, buffers) as
 soon as one changed after some steps and not after others, naming which and at which steps.
 
-What it cannot see, and the guide says so: work done after *every* step (it looks like the
-loop's ordinary per-step work, which is exact), work that changes a generator it does not know
-(a ``torch.Generator`` of the user's: those are the user's to save, e.g. in ``extra_state``), and
-loops whose training forward does not call the model given to ``wrap`` (or runs compiled by
-``torch.compile``, where the hook stays out of the graph and checks nothing). The first window
-after ``wrap()`` or a resume is not judged: it holds one-off setup work.
+Work done after *every* step looks like the loop's ordinary per-step work (drawing the next
+batch's noise at the top of the loop), which a resumed run repeats. What tells them apart is a
+resume: between ``recovery.resume`` (which restored the RNGs and buffers) and the first training
+forward, a resumed run does only the top of its loop, not the work after ``opt.step()`` of the step
+it resumed at. So the watch compares that window with the next one (after the first boundary of the
+resumed run): a source changed in one and not in the other means this run now differs from the
+uninterrupted one, and one warning (per kind) names it. Changed after the step but not after the
+resume: work after ``opt.step()`` (validation drawing random numbers, or without ``model.eval()``).
+Changed after the resume only: work that runs once after the resume (a ``DataLoader`` iterator made
+then, without ``generator=``, draws its seeds from the restored RNG) — exact only if the
+uninterrupted run did the same there (an epoch starting at exactly that step), which the warning says.
+
+What it cannot see, and the guide says so: a source changed in both windows for different
+reasons (validation drawing after each step *and* noise drawn at the top of the loop), work that
+changes a generator it does not know (a ``torch.Generator`` of the user's: those are the user's to
+save, e.g. in ``extra_state``), and loops whose training forward does not call the model given to
+``wrap`` (or runs compiled by ``torch.compile``, where the hook stays out of the graph and checks
+nothing). The first window after ``wrap()`` is not judged: it holds one-off setup work; the first
+after a resume is judged only by the comparison above, not as one of the steps.
 """
 from __future__ import annotations
 
@@ -49,6 +62,8 @@ class BetweenStepsWatch:
         self._changed: dict[str, dict[str, list[int]]] = {"rng": {}, "buffers": {}}
         self._unchanged: dict[str, dict[str, list[int]]] = {"rng": {}, "buffers": {}}
         self._warned: set[str] = set()
+        self._resumed_at: int | None = None     # the step a resume restored, until its windows are judged
+        self._resume_window: dict[str, set[str]] | None = None   # what changed from resume to forward
         self._handle = model.register_forward_pre_hook(self._forward_starts)
 
     def remove(self) -> None:
@@ -59,6 +74,14 @@ class BetweenStepsWatch:
         """At the boundary after ``step``: ``boundary`` holds the "rng" and "buffers" it captured
         (StepCapture.capture_boundary); None at wrap or resume, whose window is not judged."""
         self._step, self._boundary, self._armed = step, boundary, True
+        if boundary is None:            # wrap, a resume, or a window the caller asked not to judge
+            self._resumed_at = self._resume_window = None
+
+    def resumed(self, step: int, restored: dict) -> None:
+        """After ``recovery.resume`` restored step ``step``: ``restored`` holds the "rng" and
+        "buffers" as restored. The window to the first training forward is compared with the next."""
+        self.boundary_passed(step, None)
+        self._boundary, self._resumed_at = restored, step
 
     # ------------------------------------------------------------ the hook
     def _forward_starts(self, module, args) -> None:
@@ -70,14 +93,27 @@ class BetweenStepsWatch:
         boundary, self._boundary = self._boundary, None
         if boundary is None:
             return
-        self._note("rng", rng_sources(boundary["rng"]), changed_rng_sources(boundary["rng"]))
+        rng = changed_rng_sources(boundary["rng"])
         captured = boundary["buffers"]
-        if not captured:
-            return   # no buffers: no walk over the modules at every step
-        live = {name: buf for name, buf in self._model.named_buffers() if name in captured}
-        changed = {name for name, value in captured.items()
-                   if name not in live or not _same(live[name], value)}
-        self._note("buffers", sorted(captured), changed)
+        buffers: set[str] = set()
+        if captured:   # no buffers: no walk over the modules at every step
+            live = {name: buf for name, buf in self._model.named_buffers() if name in captured}
+            buffers = {name for name, value in captured.items() if name not in live or not _same(live[name], value)}
+        if self._resumed_at is not None and self._resume_window is None:
+            self._resume_window = {"rng": rng, "buffers": buffers}    # judged with the next window
+            return
+        self._note("rng", rng_sources(boundary["rng"]), rng)
+        if captured:
+            self._note("buffers", sorted(captured), buffers)
+        if self._resume_window is not None:
+            resumed_at, window = self._resumed_at, self._resume_window
+            self._resumed_at = self._resume_window = None
+            assert resumed_at is not None
+            differs = {kind: (sorted(window[kind] - changed), sorted(changed - window[kind]))
+                       for kind, changed in (("rng", rng), ("buffers", buffers)) if window[kind] != changed}
+            if differs and "resume" not in self._warned:
+                self._warned.add("resume")
+                _warn_resumed(resumed_at, differs)
 
     def _note(self, kind: str, sources: list[str], changed: set[str]) -> None:
         changed_after, unchanged_after = self._changed[kind], self._unchanged[kind]
@@ -139,6 +175,52 @@ def _warn(kind: str, mixed: list[str], changed_after: dict, unchanged_after: dic
         f"where it resumes, and then differs from this run. To make it exact, {hint}, or wrap with "
         f"options=lowdiff.Options(boundary=\"manual\") and call opt.boundary() once that work is done. Shown once.",
         RuntimeWarning, stacklevel=_caller_stacklevel())
+
+
+def _warn_resumed(step: int, differs: dict[str, tuple[list[str], list[str]]]) -> None:
+    """Warn (one warning) that the window after the resume at ``step`` differs from the next one
+    (see the module docstring): by kind, (changed after the resume only, after the step only)."""
+    parts: list[str] = []
+    for kind, (only_resume, only_step) in differs.items():
+        parts += _resumed_parts(kind, step, only_resume, only_step, again=bool(parts))
+    warnings.warn("lowdiff: " + "; and ".join(parts) + ". Shown once.", RuntimeWarning,
+                  stacklevel=_caller_stacklevel())
+
+
+def _resumed_parts(kind: str, step: int, only_resume: list[str], only_step: list[str], again: bool) -> list[str]:
+    """The sentences of _warn_resumed for one kind; ``again``: another kind was named before (the
+    buffers after the RNG: the same work, said briefly)."""
+    def named(sources: list[str]) -> str:
+        if kind == "rng":
+            return f"the {', '.join(sources)} RNG{'s were' if len(sources) > 1 else ' was'} drawn from"
+        shown = ", ".join(repr(s) for s in sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
+        return f"buffer{'s' if len(sources) > 1 else ''} {shown} changed"
+    parts = []
+    if only_step:
+        fix = ("draw that work's random numbers from a torch.Generator of your own" if kind == "rng"
+               else "put the model in eval() for evaluation forwards")
+        if again:
+            return [f"{named(only_step)} there too (to make that exact, {fix})"]
+        parts.append(
+            f"{named(only_step)} between opt.step() of step {step + 1} (the iteration boundary) and the next "
+            f"training forward, but not between recovery.resume() and the first training forward: work the loop "
+            f"does after opt.step() (a validation pass?) happens after what a checkpoint holds, and this resumed "
+            f"run did not redo it for step {step}, so it now differs from the uninterrupted run. To make it "
+            f"exact, {fix}, or wrap with options=lowdiff.Options(boundary=\"manual\") and call opt.boundary() "
+            f"once that work is done")
+    if only_resume:
+        fix = ("give the DataLoader a generator of its own (DataLoader(..., generator=torch.Generator()."
+               "manual_seed(s))) or use lowdiff.ResumableLoader, and make any other draw before recovery.resume() "
+               "or from a torch.Generator of your own" if kind == "rng"
+               else "run that forward before recovery.resume(), or in eval()")
+        cause = ("a DataLoader iterator made after the resume draws its base seed (and, without generator=, its "
+                 "shuffle) from the global RNG" if kind == "rng" else "a forward in train mode after the resume")
+        parts.append(
+            f"{named(only_resume)} between recovery.resume() (which restored the state of step {step}) and the first "
+            f"training forward, but not between later steps. Likely cause: {cause}. Unless the uninterrupted run did "
+            f"the same after step {step} (an epoch starting exactly there), this run now differs from it. To make it "
+            f"exact, {fix}")
+    return parts
 
 
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))

@@ -15,11 +15,13 @@ in ``extra_state`` (its position would not be saved), and a scheduler stepped be
 in ``extra_state`` (captured at the end of ``opt.step()``, before the loop stepped it, so a resumed
 schedule would lag by a step) — and an ``AveragedModel`` (EMA) in ``extra_state`` updated between
 them (a resumed average would lag one update). Random numbers drawn and buffers changed between
-steps: lowdiff.capture.betweensteps.
+steps: lowdiff.capture.betweensteps. A torchdata ``StatefulDataLoader`` in ``extra_state`` built in
+a way whose saved state does not resume exactly (torchdata 0.11; the guide's recipe is exact).
 """
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import types
 import warnings
@@ -141,3 +143,69 @@ def warn_unknown_scaler(scaler) -> None:
     warnings.warn(f"lowdiff: a {type(scaler).__name__} steps this optimizer but was not given to "
                   f"wrap(grad_scaler=...): the steps it skips (inf/nan gradients) are not recorded and its scale "
                   f"is not saved, so a resumed run would diverge. Pass it to wrap()", RuntimeWarning, stacklevel=4)
+
+
+_STATEFUL_RECIPE = ("build it as docs/guide.md (\"torchdata's StatefulDataLoader\") does: "
+                    "StatefulDataLoader(data, ..., sampler=torchdata.stateful_dataloader.sampler.RandomSampler(data, "
+                    "generator=torch.Generator().manual_seed(1)), generator=torch.Generator().manual_seed(2)), "
+                    "or use lowdiff.ResumableLoader(DataLoader(data, ..., shuffle=True))")
+
+
+def warn_inexact_loaders(extra_state: dict) -> None:
+    """Warn (at wrap) about a torchdata ``StatefulDataLoader`` in ``extra_state`` whose saved state
+    does not resume exactly, naming why and the recipe that does (docs/guide.md). Found by type
+    name: lowdiff does not import torchdata."""
+    for name, loader in extra_state.items():
+        kind = type(loader)
+        if kind.__name__ != "StatefulDataLoader" or not kind.__module__.startswith("torchdata."):
+            continue
+        sampler = getattr(loader, "sampler", None)
+        why = []
+        if getattr(loader, "generator", None) is None:
+            why.append("it has no generator=, so a resumed run's first iter() draws the workers' base seed from "
+                       "the global torch RNG that recovery.resume() restored (the uninterrupted run drew it when the "
+                       "epoch started): every later random number (dropout) differs")
+        if type(sampler) is torch.utils.data.RandomSampler:
+            why.append("its sampler is torch's RandomSampler, which has no state: the loader replays it from its "
+                       "generator's current state to skip the consumed batches, which is another permutation")
+        elif (getattr(sampler, "generator", None) is not None and getattr(sampler, "generator", None) is
+              loader.generator and not loader.num_workers):
+            why.append("shuffle=True with generator=g shuffles from the generator that also gives each epoch's "
+                       "base seed; its saved state misses that draw, so with num_workers=0 every epoch after the "
+                       "resumed one is shuffled differently (torchdata 0.11)")
+        if why:
+            warnings.warn(f"lowdiff: extra_state[{name!r}] (StatefulDataLoader) does not resume exactly as built: "
+                          f"{'; and '.join(why)}. To make it exact, {_STATEFUL_RECIPE}", RuntimeWarning, stacklevel=4)
+
+
+_OURS_AND_TORCHS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def step_scheduler_of_skipped(scheduler, step: int) -> None:
+    """Step ``scheduler`` after a step the GradScaler skipped. torch warns then (on the first
+    step) that the scheduler stepped before the optimizer: the plain loop ``scaler.step(opt);
+    sched.step()`` gets the same warning at the user's ``sched.step()`` line; here it would point
+    into lowdiff. It is said again at the user's line (the first frame outside lowdiff and torch),
+    explained; any other warning the step gives is passed on as it was."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")    # recorded, not raised, whatever the caller's filters say
+        scheduler.step()
+    for w in caught:
+        if str(w.message).startswith("Detected call of `lr_scheduler.step()` before `optimizer.step()`"):
+            warnings.warn(f"{w.message} (lowdiff: the GradScaler skipped step {step} — inf/NaN gradients, the "
+                          f"optimizer did not step — and lowdiff stepped the scheduler after it, as the loop "
+                          f"scaler.step(opt); sched.step() does without lowdiff, which gets this warning too: it is "
+                          f"about the skipped step, the order is right, and the checkpoints record it as it happened)",
+                          w.category, stacklevel=_outside(2))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _outside(level: int) -> int:
+    """The stacklevel, seen from a function ``level`` frames below this one's caller, of the first
+    frame outside lowdiff and torch."""
+    frame: types.FrameType | None = sys._getframe(level)
+    while frame is not None and frame.f_code.co_filename.startswith(_OURS_AND_TORCHS):
+        frame, level = frame.f_back, level + 1
+    return level

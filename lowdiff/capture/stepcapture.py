@@ -13,7 +13,9 @@ import warnings
 
 import torch
 
+from lowdiff.capture.devicecopy import DeviceCopy
 from lowdiff.distributed.ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
+from lowdiff.distributed.dtensors import local_chunk
 from lowdiff.format import tree
 from lowdiff.format.records import StepRecord
 from lowdiff.format.schema import TrainedWith
@@ -60,6 +62,9 @@ class StepCapture:
             hook = CompressedAllReduce(self.compressor, self.residuals, params=self.params)
             model.register_comm_hook(hook, CompressedAllReduce.hook)
             self._recorder = AggregatedRecorder(sparse=self.compressor.name == "topk")
+        # CUDA gradients: records reach the writer through pinned memory, without a sync in step().
+        device = DeviceCopy.needed(self.params)
+        self._device_copy = DeviceCopy(device) if device is not None else None
         self._base_boundary: dict | None = None  # see capture_base_boundary
         self._state_marks: list | None = None    # see _training_state_marks, at the last boundary
 
@@ -114,13 +119,14 @@ class StepCapture:
             if p.grad is None or slot in self._recorded_elsewhere:
                 out.append(NO_GRAD)
                 continue
-            compressed = self._recorder.compress(p.grad, slot, self.residuals)
+            # A DTensor's gradient is recorded as its local chunk (what this rank's optimizer consumes).
+            compressed = self._recorder.compress(local_chunk(p.grad), slot, self.residuals)
             # Under DDP the comm hook already produced the gradient: it is recorded unchanged.
             if self._recorder is self.compressor:
                 if compressed.kind == "sparse":
-                    decompress_into(compressed, p.grad)
+                    decompress_into(compressed, local_chunk(p.grad))
                 elif self.compressor.error_feedback:
-                    p.grad.view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
+                    local_chunk(p.grad).view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
             out.append(compressed)
         return out
 
@@ -135,7 +141,10 @@ class StepCapture:
             objects["scheduler"] = capture.state_dict_copy(self.scheduler)
         if self.grad_scaler is not None:
             objects["grad_scaler"] = {"state": self.grad_scaler.state_dict(), "found_inf": skipped}
-        return StepRecord(step, skipped, grads or [], objects)
+        ready = None
+        if grads and self._device_copy is not None:
+            grads, ready = self._device_copy.to_host(grads)
+        return StepRecord(step, skipped, grads or [], objects, ready)
 
     def capture_boundary(self) -> dict:
         """Copies of the small state at an iteration boundary: RNG states, extra_state, buffers."""
@@ -148,6 +157,13 @@ class StepCapture:
         The base checkpoint is taken inside that step's step(), after its forward pass drew random
         numbers, advanced the sampler and updated BatchNorm statistics: it needs the state before."""
         self._base_boundary = self.capture_boundary()
+
+    @property
+    def restored_boundary(self) -> dict:
+        """The boundary ``capture_base_boundary`` took (at resume: the restored state), before the
+        base checkpoint uses it."""
+        assert self._base_boundary is not None
+        return self._base_boundary
 
     def base_checkpoint(self) -> tuple[dict, TrainedWith]:
         """(state, meta) of the base checkpoint: the boundary from ``capture_base_boundary`` (used

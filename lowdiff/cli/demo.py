@@ -198,8 +198,11 @@ def _tiers_from(args):
 
     if not args.shared_dir:
         return None
+    from lowdiff.tiers.objectstore import ObjectStore
+
     return Tiers(args.shared_dir, local=policy_from(args.local_policy) if args.local_policy else None,
-                 shared=policy_from(args.shared_policy))
+                 shared=policy_from(args.shared_policy),
+                 object_store=ObjectStore(part_bytes=args.s3_part_bytes) if args.s3_part_bytes else None)
 
 
 def main(argv=None) -> int:
@@ -219,6 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shared-dir", help="storage tiers: the shared directory DIR is staged to")
     parser.add_argument("--shared-policy", default="last:2", help="shared tier retention: last:N, every:K:N or all")
     parser.add_argument("--local-policy", help="local tier retention (default: last:2)")
+    parser.add_argument("--s3-part-bytes", type=int, help="an s3:// shared tier's multipart part size")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     digests = open(args.digests, "a") if args.digests else None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -17,6 +18,8 @@ from lowdiff.format.fullckpt import read_full_index
 from lowdiff.store.directory import lock_holder
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import plan_chain
+from lowdiff.store.rankdirs import rank_directory
+from lowdiff.tiers.objectstore import is_object_url
 
 
 def _human(nbytes: int) -> str:
@@ -47,13 +50,39 @@ def _note_live_trainer(directory: str) -> None:
               f"this runs may differ from the listing")
 
 
+@contextlib.contextmanager
+def _fetched(path: str):
+    """(directory, problems): an ``s3://`` URL's newest commit fetched into a temporary directory,
+    every object checked against its size and CRC-32C ([(object, why)] of those that are not
+    right); a path as it is."""
+    if not is_object_url(path):
+        yield path, []
+        return
+    from lowdiff.tiers.bucket import stage
+
+    with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
+        manifest, problems = stage(path, staging)
+        if manifest is None:
+            raise CheckpointError(f"{path} holds no committed lowdiff checkpoint (no MANIFEST-N.json object)")
+        print(f"note: the objects the newest commit of {path} names were fetched into {staging}", file=sys.stderr)
+        yield staging, problems
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    directory = _checkpoint_directory(args.directory)
+    with _fetched(args.directory) as (directory, _):
+        return _inspect(args, directory)
+
+
+def _inspect(args: argparse.Namespace, directory: str) -> int:
+    directory = _checkpoint_directory(directory)
     _inspect_any_layout(directory)
     shared = args.shared or tierinspect.shared_dir_of(directory, _warn)
     if shared is not None:   # storage tiers: the shared tier too, then which one resume would take
         print(f"\nshared tier ({tierinspect.describe_policies(directory)})")
-        if os.path.isdir(shared):
+        if is_object_url(shared):
+            print(f"directory      {shared} (object store: python -m lowdiff inspect {shared})")
+            return 0
+        elif os.path.isdir(shared):
             _inspect_any_layout(shared)
         else:
             print(f"directory      {shared} (missing)")
@@ -106,9 +135,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from recovery import verify
     from recovery.partitioned.verify import verify_partitioned
 
-    directory = _checkpoint_directory(args.directory)
-    _note_live_trainer(directory)
-    report = verify_partitioned(directory) if is_partitioned(directory) else verify(directory)
+    with _fetched(args.directory) as (directory, fetch_problems):
+        directory = _checkpoint_directory(directory)
+        _note_live_trainer(directory)
+        report = verify_partitioned(directory) if is_partitioned(directory) else verify(directory)
+    for name, why in fetch_problems:
+        print(f"{'corrupt':<8} {name}: {why}")
     for name in report.ok_files:
         print(f"ok       {name}" + ("  (adopted: not listed in the manifest)" if name in report.adopted else ""))
     for name in report.gone:
@@ -125,13 +157,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"can be recovered")
     print(f"{len(report.ok_files)} files verify, {len(report.problems)} do not"
           + (" (see above)" if report.problems else ""))
-    return 0 if report.ok else 1
+    return 0 if report.ok and not fetch_problems else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from recovery import export
 
-    step = export(args.directory, args.output, step=args.step)
+    with _fetched(args.directory) as (directory, _):
+        step = export(directory, args.output, step=args.step)
     print(f"exported step {step} to {args.output}")
     return 0
 
@@ -183,14 +216,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Recommended full_every/batch_steps for measured costs (docs/controller.md), next to baselines."""
+    import dataclasses
     import json
 
-    from lowdiff.control.costmodel import Limits, costs_from_stats, tune_table
+    from lowdiff.control.costmodel import FIXED_CHOICES, Limits, costs_from_stats, tune_table
+    from lowdiff.control.meter import measured_costs
 
-    stats = {}
+    stats: dict = {}
+    fixed: tuple[tuple[int, int], ...] = FIXED_CHOICES
+    if args.stats and args.directory:
+        raise ValueError("give a checkpoint directory or --stats, not both")
     if args.stats:
         with open(args.stats) as f:
             stats = json.load(f)
+        if "samples" in stats and "version" in stats:
+            raise ValueError(f"{args.stats} is a CONTROLLER.json, not opt.stats(): give its directory "
+                             f"(python -m lowdiff tune {os.path.dirname(args.stats) or '.'} ...)")
+    if args.directory:
+        measured_in = args.directory
+        if is_partitioned(args.directory):   # every rank keeps its own measurements; ranks step alike
+            measured_in = rank_directory(args.directory, 0)
+            print(f"{args.directory} is partitioned: the costs rank 0 measured")
+        measured, settings = measured_costs(measured_in)
+        stats = {"controller": {"costs": dataclasses.asdict(measured)}}
+        run: tuple = (settings.get("full_every"), settings.get("batch_steps"))
+        print(f"{args.directory}: costs its runs measured (CONTROLLER.json); they ran with full_every {run[0]}, "
+              f"batch_steps {run[1]}")
+        if all(isinstance(v, int) for v in run):
+            fixed = ((int(run[0]), int(run[1])),) + tuple(f for f in FIXED_CHOICES if f != run)
     flags = {name: getattr(args, name) for name in ("step_s", "stall_s", "persist_s", "replay_s", "load_s",
                                                     "record_s", "batch_fixed_s", "diff_bytes_per_step",
                                                     "write_bytes_per_s", "restart_s")}
@@ -200,7 +253,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"{costs.stall_s * 1e3:.1f} ms, persist {costs.persist_s:.2f} s, replay {costs.replay_s * 1e3:.2f} ms/step")
     print(f"{'setting':<24}{'full_every':>11}{'batch':>7}{'waste %':>10}{'lost h/1000h':>13}"
           f"{'recovery s':>11}  constraints broken")
-    for label, e in tune_table(costs, limits):
+    for label, e in tune_table(costs, limits, fixed):
+        if fixed is not FIXED_CHOICES and label == "fixed" and (e.full_every, e.batch_steps) == fixed[0]:
+            label = "this run's settings"
         print(f"{label:<24}{e.full_every:>11}{e.batch_steps if e.batch_steps is not None else '-':>7}"
               f"{100 * e.waste:>10.3f}{1000 * e.waste:>13.1f}{e.worst_recovery_s:>11.2f}  "
               f"{', '.join(e.violated) or '-'}")
@@ -229,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("tune", help="recommend full_every/batch_steps from measured costs and a failure rate")
+    p.add_argument("directory", nargs="?", help="a checkpoint directory: the costs its runs measured (CONTROLLER.json)")
     p.add_argument("--stats", help="a run's opt.stats() saved as JSON (its measured costs)")
     p.add_argument("--failure-rate-per-hour", type=float, required=True)
     p.add_argument("--max-recovery-s", type=float)

@@ -66,6 +66,22 @@ class Window:
         return statistics.median(self.samples) if self.samples else None
 
 
+def measured_costs(directory: str) -> tuple[Costs, dict]:
+    """(the costs, the settings in force) that the runs of ``directory`` measured and kept in its
+    CONTROLLER.json — every run keeps them, with fixed settings as with "auto" — derived as the
+    controller derives them. Raises ValueError naming the file and what is missing."""
+    meter = CostMeter()
+    settings = meter.load(directory)
+    if settings is None:
+        raise ValueError(f"{os.path.join(directory, 'CONTROLLER.json')}: not found (a run writes it with its "
+                         f"first full checkpoint)")
+    costs = meter.costs(bool(settings.get("differentials", True)))
+    if costs is None:
+        raise ValueError(f"{os.path.join(directory, 'CONTROLLER.json')}: the runs measured too little to derive "
+                         f"costs (a full checkpoint persisted and steps timed are needed): train longer")
+    return costs, settings
+
+
 class CostMeter:
     """The measurements of one run (see the module docstring). ``windows`` maps each name of
     ``MEASURED`` to its ``Window``; ``samples`` each name of ``RAW`` to its recent raw samples."""

@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 
 import fastio
+from lowdiff.distributed.dtensors import chunk_entry, is_dtensor
 from lowdiff.distributed.sharesnapshot import ShareSnapshot
 from lowdiff.errors import CheckpointError, MissingRankDirectoryError
 from lowdiff.format.records import StepRecord, encode_record
@@ -204,7 +205,7 @@ def partition_for(root, rank: int, world: int, params: list) -> Partition | None
     """The rank's ``Partition`` when ``root`` is written partitioned: under torch.distributed
     with several processes, or a directory that is partitioned already (then at any world size,
     so that one directory never mixes layouts); None for the single-process layout."""
-    if world > 1 or is_partitioned(root):
+    if world > 1 or is_partitioned(root) or any(is_dtensor(p) for p in params):
         refuse_missing_rank_directories(root, world)
         return Partition.of(root, rank, world, params)
     return None
@@ -238,6 +239,7 @@ class Partition:
     rank: int
     world: int
     owned: list = dataclasses.field(default_factory=list)   # slots of each share, see assign_slots
+    chunks: dict = dataclasses.field(default_factory=dict)  # {slot: chunk entry}: DTensor slots, in every share
     session: str | None = None                              # the set's session, from join()
     _counts: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -251,7 +253,12 @@ class Partition:
 
     @classmethod
     def of(cls, root, rank: int, world: int, params: list) -> Partition:
-        return cls(os.path.abspath(os.fspath(root)), rank, world, assign_slots([p.numel() for p in params], world))
+        # A DTensor parameter's gradient differs on every rank (each its local chunk): every share
+        # holds its own; the others are assigned to one share each (docs/format.md, "Sharded state").
+        chunks = {slot: chunk_entry(p) for slot, p in enumerate(params) if is_dtensor(p)}
+        owned = assign_slots([0 if slot in chunks else p.numel() for slot, p in enumerate(params)], world)
+        owned = [sorted((set(slots) - set(chunks)) | set(chunks)) for slots in owned]
+        return cls(os.path.abspath(os.fspath(root)), rank, world, owned, chunks)
 
     def snapshot(self):
         """The staging snapshot of this rank's full-checkpoint shares."""
@@ -306,4 +313,4 @@ class Partition:
 
     def write_batch(self, path: str, session: str, records: list, *, run=None, engine=None) -> int:
         return write_diff_share(path, session, records, run=run, share=(self.rank, self.world), slots=self.slots,
-                                engine=engine)
+                                engine=engine, dtensors=self.chunks)

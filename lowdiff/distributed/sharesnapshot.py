@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 import fastio
+from lowdiff.distributed.dtensors import chunk_entry, is_dtensor, local_chunk
 from lowdiff.format import tree
-from lowdiff.format.fullckpt import Snapshot, plan_layout
+from lowdiff.format.fullckpt import Snapshot, _version_counters, plan_layout
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, TensorEntry
 from lowdiff.format.sharefile import FullShareIndex, Piece, share_range, write_full_share
 
@@ -26,12 +27,25 @@ def is_shared_key(key: str, param_aliases: dict) -> bool:
 
 
 class ShareSnapshot(Snapshot):
+    supports_device_copy = False   # a share's device tensors are brought to the host on the training thread
+
     def __init__(self, index: int, count: int):
         super().__init__()
         self.index, self.count = index, count
         self._plan: tuple | None = None   # (layout, shared_bytes, pieces, own entries, own_bytes)
         self._crcs: list = []
         self._body_bytes = 0
+        self._chunks: dict = {}   # {key: chunk entry} of the DTensors staged (their local chunks are own)
+
+    def stage(self, step: int, state: dict, meta) -> None:
+        """As Snapshot.stage; a DTensor is staged as this rank's local chunk (an own tensor, with its
+        chunk entry): under FSDP2 no rank holds another's chunk (docs/format.md, "Sharded state")."""
+        super().stage(step, state, meta)
+        tensors, _ = self._staged
+        self._chunks = {key: chunk_entry(t) for key, t in tensors if is_dtensor(t)}
+        if self._chunks:
+            local = [(key, local_chunk(t)) for key, t in tensors]
+            self._staged = (local, _version_counters(t for _, t in local))
 
     def copy(self, on_training_thread: bool) -> None:
         """Copy this share's bytes of the shared tensors and this rank's own tensors into staging,
@@ -43,8 +57,9 @@ class ShareSnapshot(Snapshot):
         # training thread: copyable_in_background() refuses them).
         sources = {key: t if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
                    else t.detach().cpu().contiguous().resolve_conj().resolve_neg() for key, t in tensors}
-        layout, shared_bytes = plan_layout([(k, t) for k, t in tensors if is_shared_key(k, aliases)])
-        own, own_bytes = plan_layout([(k, t) for k, t in tensors if not is_shared_key(k, aliases)])
+        shared = {k for k, _ in tensors if is_shared_key(k, aliases) and k not in self._chunks}
+        layout, shared_bytes = plan_layout([(k, t) for k, t in tensors if k in shared])
+        own, own_bytes = plan_layout([(k, t) for k, t in tensors if k not in shared])
         start, end = share_range(shared_bytes, self.index, self.count)
         body_bytes = end - start + own_bytes
         self._ensure_buffer(body_bytes)
@@ -99,6 +114,7 @@ class ShareSnapshot(Snapshot):
 
         def make_index(objects_section):
             return FullShareIndex(self.step, session, run, self.index, self.count, shared_bytes, layout_json,
-                                  piece_entries, own_bytes, own_entries, objects_section, *meta.fields())
+                                  piece_entries, own_bytes, own_entries, objects_section, *meta.fields(),
+                                  dtensors=self._chunks)
         body = self._buffer.view(0, self._body_bytes)
         return write_full_share(path, body, objects, make_index, engine=engine, before_commit=before_commit)

@@ -32,6 +32,7 @@ KIND_NAMES = {KIND_FULL: "full checkpoint", KIND_DIFF: "differential batch",
 MANIFEST_VERSION = 1          # MANIFEST.json
 CONTROLLER_VERSION = 1        # CONTROLLER.json
 TIERS_VERSION = 1             # TIERS.json
+BUCKET_MANIFEST_VERSION = 1   # MANIFEST-N.json of an object-store tier
 
 PREAMBLE = struct.Struct("<8sHH4x")      # magic, version, kind, reserved
 TRAILER = struct.Struct("<QQIHH8s")      # index offset, index length, index crc32, version, kind, magic
@@ -293,3 +294,39 @@ class TiersMarker:
                 not isinstance(body.get("shared_dir"), str):
             raise CorruptCheckpointError(path, f"is not a version {TIERS_VERSION} tier marker")
         return cls(body["shared_dir"], body.get("local_policy"), body.get("shared_policy"), body.get("max_lag_steps"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketManifest:
+    """MANIFEST-N.json of an object-store tier (docs/format.md, "Shared tier in an object store"):
+    commit number ``seq``, the directory manifest it commits (``manifest``: a ManifestRecord) and
+    {name: (nbytes, crc32c)} of every file that lists."""
+
+    seq: int
+    manifest: ManifestRecord
+    objects: dict
+
+    def to_json(self) -> bytes:
+        body = {"version": BUCKET_MANIFEST_VERSION, "seq": self.seq, "manifest": json.loads(self.manifest.to_json()),
+                "objects": {name: {"nbytes": n, "crc32c": c} for name, (n, c) in sorted(self.objects.items())}}
+        return encode_json_file({"crc32": zlib.crc32(encode_json_file(body)), "bucket_manifest": body})
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str, manifest_type=ManifestRecord) -> BucketManifest:
+        try:
+            outer = json.loads(data)
+            body = outer["bucket_manifest"]
+            if zlib.crc32(encode_json_file(body)) != outer["crc32"]:
+                raise CorruptCheckpointError(where, "bucket manifest checksum mismatch")
+            if body.get("version") != BUCKET_MANIFEST_VERSION:
+                raise VersionMismatchError(where, f"bucket manifest version {body.get('version')!r}, this lowdiff "
+                                                  f"reads version {BUCKET_MANIFEST_VERSION}")
+            manifest = manifest_type.from_json(encode_json_file(body["manifest"]), where)
+            objects = {str(name): (int(o["nbytes"]), int(o["crc32c"])) for name, o in body["objects"].items()}
+            if not isinstance(body["seq"], int) or set(objects) != manifest.files():
+                raise ValueError("its objects are not the files its manifest lists")
+            return cls(body["seq"], manifest, objects)
+        except (CorruptCheckpointError, VersionMismatchError):
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(where, f"bucket manifest is not valid: {type(exc).__name__}: {exc}") from None

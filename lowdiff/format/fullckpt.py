@@ -78,7 +78,13 @@ class Snapshot:
     optimizer step, and ``modified_since_stage`` tells whether anything did anyway.
     """
 
+    # Whether ``device_copy`` is used: CUDA tensors copied off the training thread through it.
+    supports_device_copy = True
+
     def __init__(self):
+        # For CUDA sources: an object with handles(tensor) and copy(destinations, sources), which
+        # copies them off the training thread (lowdiff.persist.pinned.PinnedStaging).
+        self.device_copy = None
         self._buffer: fastio.AlignedBuffer | None = None
         self.spare: fastio.AlignedBuffer | None = None  # pre-faulted in the background by prepare()
         self.step = -1
@@ -100,13 +106,20 @@ class Snapshot:
         self.step, self._skeleton, self.meta = step, skeleton, meta
         self._staged = (tensors, _version_counters(t for _, t in tensors))
 
+    def staged_tensors(self) -> list:
+        """The live tensors ``stage`` recorded (until ``release_sources``)."""
+        return [t for _, t in self._staged[0]] if self._staged is not None else []
+
     def copyable_in_background(self) -> bool:
         """Whether ``copy`` may run off the training thread: every tensor is on the CPU, dense,
         contiguous and without a lazy conjugate/negative bit (so its bytes are its values and a
-        plain memcpy reads it), and has a version counter to check."""
+        plain memcpy reads it), and has a version counter to check. CUDA tensors qualify too when a
+        ``device_copy`` is set."""
         tensors, versions = self._staged
+        device_copy = self.device_copy
         return versions is not None and all(
-            t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            (t.device.type == "cpu" or (device_copy is not None and device_copy.handles(t)))
+            and t.layout == torch.strided and t.is_contiguous()
             and not t.is_conj() and not t.is_neg() for _, t in tensors)
 
     def copy(self, on_training_thread: bool) -> None:
@@ -131,6 +144,9 @@ class Snapshot:
         with torch.no_grad():
             if not sources:
                 pass
+            elif not on_training_thread and self.device_copy is not None and any(
+                    self.device_copy.handles(src) for src in sources):
+                self.device_copy.copy(destinations, sources)   # checksums: computed by persist()
             elif not on_training_thread:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each

@@ -54,6 +54,9 @@ class StepRecord:
     skipped: bool
     grads: list            # list[Compressed], one per optimizer parameter in param_groups order
     objects: dict          # hyper-parameters, RNG, scheduler, extra_state, buffers (small)
+    # Not part of the record's bytes: when set, the gradients' tensors are still being copied (from
+    # a GPU, lowdiff.capture.devicecopy) and ready() blocks until they may be read.
+    ready: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

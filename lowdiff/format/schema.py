@@ -55,6 +55,33 @@ class _Fields:
         return value
 
 
+def check_chunk_entry(fields: _Fields, entry: object, where: str) -> dict:
+    """A chunk entry of sharded (DTensor) state read from a file (docs/format.md, "Sharded state"),
+    checked field by field; ``fields`` names the file in the error."""
+    if not isinstance(entry, dict):
+        raise fields.bad(f"chunk entry of {where} is not an object")
+    sizes = ("global_shape", "mesh_shape", "offsets", "shape")
+    if not all(isinstance(entry.get(k), list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                      for n in entry[k]) for k in sizes):
+        raise fields.bad(f"chunk entry of {where} needs lists of sizes {', '.join(sizes)}: {entry!r}")
+    names = entry.get("mesh_dim_names")
+    placements = entry.get("placements")
+    if names is not None and not (isinstance(names, list) and len(names) == len(entry["mesh_shape"])
+                                  and all(isinstance(n, str) for n in names)):
+        raise fields.bad(f"chunk entry of {where}: mesh_dim_names {names!r} is not one name per mesh dimension")
+    ndim = len(entry["global_shape"])
+    if not (isinstance(placements, list) and len(placements) == len(entry["mesh_shape"])
+            and all(p == "R" or (isinstance(p, str) and p[:1] == "S" and p[1:].isdigit() and int(p[1:]) < ndim)
+                    for p in placements)):
+        raise fields.bad(f"chunk entry of {where}: placements {placements!r} are not one 'R' or 'S<dim>' per mesh "
+                         f"dimension")
+    if len(entry["offsets"]) != ndim or len(entry["shape"]) != ndim or \
+            any(o + n > g for o, n, g in zip(entry["offsets"], entry["shape"], entry["global_shape"])):
+        raise fields.bad(f"chunk entry of {where}: a chunk of shape {entry['shape']} at {entry['offsets']} does not "
+                         f"lie in a tensor of shape {entry['global_shape']}")
+    return {k: entry[k] for k in ("global_shape", "mesh_shape", "mesh_dim_names", "placements", "offsets", "shape")}
+
+
 def check_header(path: str, obj, kind: str) -> _Fields:
     """The common part of every index: ``version`` and ``kind``."""
     fields = _Fields(path, obj, f"{kind} index")

@@ -23,6 +23,7 @@ from lowdiff.format.schema import (
     TensorEntry,
     _check_disjoint,
     _Fields,
+    check_chunk_entry,
     check_header,
 )
 
@@ -59,14 +60,15 @@ class FullShareIndex(FullMeta):
     pieces: tuple              # Piece, in offset order
     own_bytes: int             # this rank's own region (after the share's bytes in the file); ``tensors``
                                # are this rank's own tensors, ``objects`` its state skeleton
+    dtensors: dict             # {key of ``tensors``: chunk entry} of DTensor chunks (sharded state; else empty)
 
     # The arguments keep the order of the index's fields that callers construct it with.
     def __init__(self, step: int, session: str, run: str | None, index: int, count: int, shared_bytes: int,
                  layout: tuple, pieces: tuple, own_bytes: int, tensors: tuple, objects: Section, param_names: tuple,
-                 param_aliases: dict, optimizer_class: str, compressor: str):
+                 param_aliases: dict, optimizer_class: str, compressor: str, dtensors: dict | None = None):
         super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
         for name, value in (("index", index), ("count", count), ("shared_bytes", shared_bytes), ("layout", layout),
-                            ("pieces", pieces), ("own_bytes", own_bytes)):
+                            ("pieces", pieces), ("own_bytes", own_bytes), ("dtensors", dict(dtensors or {}))):
             object.__setattr__(self, name, value)
 
     @property
@@ -81,7 +83,9 @@ class FullShareIndex(FullMeta):
         return {**self.meta_json("full-share"),
                 "share": {"index": self.index, "count": self.count, "start": self.start, "end": self.end},
                 "shared_bytes": self.shared_bytes, "layout": [dict(e) for e in self.layout],
-                "pieces": [p.to_json() for p in self.pieces], "own_bytes": self.own_bytes}
+                "pieces": [p.to_json() for p in self.pieces], "own_bytes": self.own_bytes,
+                # Only sharded (DTensor) state has chunk entries: other shares keep their bytes.
+                **({"dtensors": dict(self.dtensors)} if self.dtensors else {})}
 
     @classmethod
     def from_json(cls, path: str, obj, file_bytes: int) -> FullShareIndex:
@@ -106,8 +110,16 @@ class FullShareIndex(FullMeta):
             raise fields.bad(f"objects section at offset {objects.offset} lies outside the file after the payload")
         step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(
             fields, fields.get("param_names", list), fields.get("param_aliases", dict))
+        chunks = fields.get("dtensors", dict) if "dtensors" in obj else {}
+        own_shapes = {t.key: list(t.shape) for t in tensors}
+        for key, entry in chunks.items():
+            if key not in own_shapes:
+                raise fields.bad(f"dtensors names {key!r}, which is not one of its own tensors")
+            chunks[key] = check_chunk_entry(fields, entry, repr(key))
+            if chunks[key]["shape"] != own_shapes[key]:
+                raise fields.bad(f"the chunk entry of {key!r} has shape {entry['shape']}, its tensor {own_shapes[key]}")
         return cls(step, session, run, index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
-                   names, aliases, optimizer_class, compressor)
+                   names, aliases, optimizer_class, compressor, chunks)
 
 
 def _layout_entry(path: str, obj, position: int) -> dict:
@@ -182,6 +194,7 @@ class DiffShareIndex:
     index: int
     count: int
     slots: tuple
+    dtensors: dict = dataclasses.field(default_factory=dict)   # {slot: chunk entry}: every share holds these
 
     @classmethod
     def from_json(cls, path: str, obj, records_end: int) -> DiffShareIndex:
@@ -192,21 +205,28 @@ class DiffShareIndex:
         if count < 1 or index >= count or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                   for s in slots):
             raise fields.bad(f"share {index} of {count} owning slots {slots!r} is not valid")
+        chunks = {}
+        for item in fields.get("dtensors", list) if "dtensors" in obj else []:
+            if not (isinstance(item, list) and len(item) == 2 and item[0] in slots):
+                raise fields.bad(f"dtensors entry {item!r} is not [slot of this share, chunk entry]")
+            chunks[item[0]] = check_chunk_entry(fields, item[1], f"parameter {item[0]}")
         batch = BatchIndex.from_json(path, {**obj, "kind": "diff"}, records_end)
-        return cls(batch, index, count, tuple(slots))
+        return cls(batch, index, count, tuple(slots), chunks)
 
     @staticmethod
-    def share_json(index: int, count: int, slots) -> dict:
+    def share_json(index: int, count: int, slots, dtensors: dict | None = None) -> dict:
         """What a differential share's index adds to a batch's (its ``kind`` replaces "diff")."""
-        return {"kind": "diff-share", "share": {"index": index, "count": count}, "slots": list(slots)}
+        chunks = {"dtensors": [[slot, entry] for slot, entry in sorted(dtensors.items())]} if dtensors else {}
+        return {"kind": "diff-share", "share": {"index": index, "count": count}, "slots": list(slots), **chunks}
 
 
 def write_diff_share(path: str, session: str, records: list, *, run: str | None, share: tuple[int, int],
-                     slots: list, engine=None) -> int:
+                     slots: list, engine=None, dtensors: dict | None = None) -> int:
     """Write ``records`` ([(step, [buffers])], consecutive steps, already restricted to ``slots``)
-    as share ``share`` = (index, count) and commit it. Returns the file's size."""
+    as share ``share`` = (index, count) and commit it. ``dtensors``: {slot: chunk entry} of the
+    slots whose records hold this rank's local gradient chunk. Returns the file's size."""
     return write_batch(path, session, records, run=run, engine=engine, kind=container.KIND_DIFF_SHARE,
-                       index_fields=DiffShareIndex.share_json(share[0], share[1], slots))
+                       index_fields=DiffShareIndex.share_json(share[0], share[1], slots, dtensors))
 
 
 def read_diff_share_index(path: str) -> DiffShareIndex:

@@ -43,7 +43,13 @@ def same_memory(tensor: torch.Tensor) -> tuple | None:
     """What makes two tensors one memory: the same device, first element's address, dtype, shape,
     strides and lazy conjugate/negative bits (then their values are the same at every moment).
     None for tensors never joined: empty ones (no memory to share), other layouts, quantized ones
-    (their scales are not in this key) and subclasses (whose state is more than their memory)."""
+    (their scales are not in this key) and subclasses (whose state is more than their memory), except
+    a DTensor (FSDP2): its local chunk's memory, global shape and placements (a tied weight under
+    fully_shard is one DTensor listed under two names)."""
+    local = getattr(tensor, "_local_tensor", None)
+    if type(tensor).__name__ == "DTensor" and isinstance(local, torch.Tensor):
+        key = same_memory(local)
+        return None if key is None else (*key, "DTensor", tuple(tensor.shape), repr(getattr(tensor, "placements", ())))
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided \
             or tensor.is_quantized or tensor.numel() == 0 or tensor.device.type == "meta":
         return None

@@ -13,11 +13,14 @@ import threading
 import time
 import warnings
 
+import torch
+
 from lowdiff import faults
 from lowdiff.format.batchfile import write_batch
 from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import encode_record
 from lowdiff.format.schema import TrainedWith
+from lowdiff.persist.pinned import PinnedStaging
 
 
 class _ErrorSlot:
@@ -166,6 +169,8 @@ class DiffWriter:
                 self._release(1)
 
     def _encoded(self, record) -> list:
+        if record.ready is not None:
+            record.ready()   # its gradients' device-to-host copies have landed (capture.devicecopy)
         encoded = self._encode(record)
         self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
         return encoded
@@ -314,6 +319,11 @@ class FullWriter:
         self._engine = engine
         self.background_copy = background_copy
         self._snapshot = snapshot if snapshot is not None else Snapshot()
+        # CUDA state: copied off the training thread through a bounded pinned ring (persist.pinned).
+        self._pinned = PinnedStaging() if torch.cuda.is_available() and self._snapshot.supports_device_copy \
+            else None
+        if self._pinned is not None:
+            self._snapshot.device_copy = self._pinned
         self._worker = _Worker("lowdiff-full-writer")
         self._errors = _ErrorSlot(store.durable_step)
         self._pending_copy: _BackgroundCopy | None = None
@@ -331,6 +341,8 @@ class FullWriter:
         background = self.background_copy and not base and self._snapshot.copyable_in_background()
         if background:
             self._pending_copy = _BackgroundCopy()
+            if self._pinned is not None:
+                self._pinned.mark(self._snapshot.staged_tensors())
         else:
             self._snapshot.copy(on_training_thread=True)
             self._snapshot.release_sources()

@@ -293,9 +293,18 @@ class Replica:
         self.counts["persists"] += 1
 
 
-def check_replica_arguments(compressor) -> None:
+def check_replica_arguments(compressor, params=(), allow_inexact_gpu: bool = False) -> None:
     """Refuse, before anything is written, what replica mode cannot replicate exactly."""
     from lowdiff.step.compress import Dense
+
+    if not allow_inexact_gpu and any(p.device.type == "cuda" for p in params):
+        # The replica applies each step with the CPU optimizer kernels; CUDA's fused/foreach ones
+        # round differently (FMA contraction, another reduction order), so its checkpoints would
+        # drift from the training state by rounding and a resume from one would not be exact.
+        raise ValueError("replica mode (lowdiff.Replica) keeps its replica on the CPU, and the CPU optimizer does "
+                         "not round as the CUDA one does: a resume from a persisted replica of this GPU model "
+                         "would not equal the uninterrupted run bit for bit. Use lowdiff.Fixed(...) (exact on a "
+                         "GPU), or accept that with lowdiff.Replica(..., allow_inexact_gpu=True)")
 
     if not isinstance(compressor, Dense):
         raise ValueError(f"replica mode (lowdiff.Replica) applies the dense gradient the optimizer consumed; use "

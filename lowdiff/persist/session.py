@@ -173,6 +173,10 @@ class CheckpointSession:
         """The newest step that is on disk and can be resumed (-1 before the first commit)."""
         return self.store.durable_step()
 
+    def shared_durable_step(self) -> int | None:
+        """With storage tiers, the shared tier's durable step (Drainer.durable_step); else None."""
+        return None if self.drainer is None else self.drainer.durable_step()
+
     def flush(self) -> None:
         """Block until every recorded step (and any full checkpoint in progress) is durable.
         Raises the error of a failed background write (every time: checkpointing has stopped)."""

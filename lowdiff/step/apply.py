@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -86,6 +87,7 @@ class PreparedStep:
     record: StepRecord              # hyper-parameters, objects, step
     updates: tuple                  # one BufferUpdate per buffer (empty for a skipped step)
     none: tuple                     # positions of parameters without a gradient at this step
+    ready: Callable[[], None] | None = None   # called before the updates are read (pipeline.devicefeed)
 
 
 _ALL = "all"   # marker: every position of a buffer may be non-zero
@@ -217,6 +219,8 @@ class GradientBuffers:
                 self.attach()
             capture.apply_hyperparameters(optimizer.param_groups, objects["groups_used"])
             self._set_missing(prepared.none)
+            if prepared.ready is not None:
+                prepared.ready()
             with torch.no_grad():
                 for index, (buffer, update) in enumerate(zip(self.buffers, prepared.updates)):
                     if update.indices is None:

@@ -25,7 +25,9 @@ from lowdiff.distributed.partition import Partition, rank_directory
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.store.manifest import FullEntry, Manifest
 from lowdiff.store.retention import Policy
+from lowdiff.tiers.bucket import BucketStore
 from lowdiff.tiers.marker import check_layouts, complete_in, join_runs, refuse_runs, write_marker
+from lowdiff.tiers.objectstore import is_object_url
 from lowdiff.tiers.policy import PolicyStore, Tiers
 
 log = logging.getLogger("lowdiff")
@@ -104,8 +106,11 @@ class Drainer:
     ``check`` from the training thread at will; ``close`` once (drains what is committed), or
     ``stop`` (abandons the rest); both release the shared tier."""
 
-    def __init__(self, local: PolicyStore, shared: PolicyStore, max_lag_steps: int, engine=None,
-                 verify_copies: bool = True):
+    def __init__(self, local: PolicyStore, shared: PolicyStore | BucketStore, max_lag_steps: int, engine=None,
+                 verify_copies: bool = True, failed: BaseException | None = None):
+        """``failed``: the shared tier could not be opened (an object store that is unreachable,
+        missing or denied): the error is raised by ``check`` like a copy error, nothing is copied,
+        and the local tier keeps working until then."""
         self.local, self.shared = local, shared
         self.max_lag_steps = max_lag_steps
         self.verify_copies = verify_copies
@@ -124,7 +129,7 @@ class Drainer:
         # by. A file the shared policy skips is no work left, and if the newest ones were skipped,
         # waiting for the shared tier's own step to advance would wait for ever.
         self._handled_step = self._shared_step
-        self._error: BaseException | None = None
+        self._error: BaseException | None = failed
         self._closing = False
         self._warned = False
         # copy_s: reading the local file and writing, syncing and renaming the copy; verify_s:
@@ -178,10 +183,17 @@ class Drainer:
         if self._error is not None:
             raise self._error
 
+    def durable_step(self) -> int:
+        """The newest step a resume from the shared tier alone reaches now (what survives losing
+        the local directory); -1 before its first commit."""
+        return self.shared.durable_step()
+
     def snapshot(self) -> dict:
         with self._cond:
-            return {"shared_dir": self.shared.directory, "shared_step": self._shared_step,
-                    "lag_steps": max(self._local_step - self._handled_step, 0), **self.stats}
+            out = {"shared_dir": self.shared.directory, "shared_step": self._shared_step,
+                   "lag_steps": max(self._local_step - self._handled_step, 0), **self.stats}
+        out["shared_durable_step"] = self.durable_step()   # (the store's lock, not under ours)
+        return out
 
     def close(self) -> None:
         """Copy everything the local tier has committed, then stop; raise a copy error."""
@@ -204,7 +216,7 @@ class Drainer:
 
     # ------------------------------------------------------------ drainer thread
     def _run(self) -> None:
-        while True:
+        while self._error is None:
             entry = self._next()
             if entry is None:
                 return
@@ -235,10 +247,13 @@ class Drainer:
             self._skip(entry)
             return
         timings: dict = {}
+        source = os.path.join(self.local.directory, entry.file)
         try:
-            nbytes = copy_file(os.path.join(self.local.directory, entry.file),
-                               os.path.join(self.shared.directory, entry.file), self._engine,
-                               verify=self.verify_copies, timings=timings)
+            if isinstance(self.shared, BucketStore):
+                nbytes = self.shared.receive(source, entry, timings)
+            else:
+                nbytes = copy_file(source, os.path.join(self.shared.directory, entry.file), self._engine,
+                                   verify=self.verify_copies, timings=timings)
         except FileNotFoundError:
             with self._cond:
                 if entry.file in self._local.files():
@@ -281,6 +296,8 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
     one (wrap's ``retention``). With ``partition`` (this rank of a partitioned run), the rank's
     directory of each tier: ``directory/rank-N`` drains into ``shared_dir/rank-N``, each tier's
     retention counting its own complete sets; ``partition.join`` (a collective) happens here."""
+    if is_object_url(tiers.shared_dir):
+        return _open_bucket(directory, tiers, retention, engine, partition)
     local_dir = directory if partition is None else partition.directory
     shared_dir = tiers.shared_dir if partition is None else rank_directory(tiers.shared_dir, partition.rank)
     if os.path.realpath(directory) == os.path.realpath(tiers.shared_dir):
@@ -309,6 +326,33 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
         except BaseException:
             shared.close()
             raise
+    except BaseException:
+        local.close()
+        raise
+
+
+def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
+                 partition: Partition | None) -> tuple[PolicyStore, Drainer]:
+    """``open_tiers`` for an object-store shared tier. A bucket that cannot be opened (missing,
+    denied, unreachable) does not stop ``wrap``: the drainer starts failed, and its error is raised
+    at the next step()/flush()/close(), like a copy error; the local tier keeps its checkpoints."""
+    if partition is not None:
+        raise CheckpointError(f"shared_dir={tiers.shared_dir!r}: a partitioned run (torch.distributed) cannot "
+                              f"drain into an object store yet; name a shared directory")
+    local = PolicyStore(directory, tiers.local_policy(retention))
+    try:
+        shared = BucketStore(tiers.shared_dir, tiers.shared, tiers.object_store, verify=tiers.verify_copies)
+        failed = None
+        try:
+            shared.open()
+        except OSError as exc:
+            exc.add_note(f"lowdiff: the shared tier {tiers.shared_dir} cannot be opened; the local tier "
+                         f"{local.directory} keeps its checkpoints")
+            failed = exc
+        if failed is None:
+            join_runs(local, shared)    # type: ignore[arg-type]  # (a BucketStore has the run and manifest)
+        write_marker(directory, tiers, local.policy)
+        return local, Drainer(local, shared, tiers.max_lag_steps, engine, tiers.verify_copies, failed=failed)
     except BaseException:
         local.close()
         raise

@@ -17,6 +17,7 @@ from lowdiff.distributed.partition import Partition, is_partitioned, partition_f
 from lowdiff.store.directory import CheckpointStore
 from lowdiff.store.manifest import BatchEntry, Manifest
 from lowdiff.store.retention import KeepAll, KeepEvery, KeepLast, Policy, check_policy
+from lowdiff.tiers.objectstore import ObjectStore, is_object_url, parse_s3_url
 
 __all__ = ["KeepAll", "KeepEvery", "KeepLast", "Tiers"]
 
@@ -28,18 +29,30 @@ class Tiers:
     tier may be behind the local one before ``step()`` waits for the drainer (backpressure);
     ``verify_copies``: read each copy back from the shared tier and compare its CRC-32C before it
     is renamed into place (as many bytes read from the shared file system as written; False skips
-    it where that traffic costs more than the check is worth)."""
+    it where that traffic costs more than the check is worth). ``shared_dir`` may be an
+    ``s3://bucket/prefix`` URL (lowdiff.tiers.bucket); ``object_store``: how it is written
+    (lowdiff.tiers.objectstore.ObjectStore; None: its defaults)."""
 
     shared_dir: str
     local: Policy | None = None
     shared: Policy = KeepLast(2)
     max_lag_steps: int = 500
     verify_copies: bool = True
+    object_store: ObjectStore | None = None
 
     def __post_init__(self):
         if not isinstance(self.shared_dir, (str, os.PathLike)):
             raise TypeError(f"shared_dir must be a path, got {type(self.shared_dir).__name__}")
-        object.__setattr__(self, "shared_dir", os.path.abspath(os.fspath(self.shared_dir)))
+        if is_object_url(self.shared_dir):
+            object.__setattr__(self, "shared_dir", str(parse_s3_url(self.shared_dir)))
+        elif "://" in os.fspath(self.shared_dir):
+            # A URL made into a path would drain into a local directory named like "s3:".
+            raise ValueError(f"shared_dir={self.shared_dir!r}: only s3:// URLs are supported (or a directory path)")
+        else:
+            object.__setattr__(self, "shared_dir", os.path.abspath(os.fspath(self.shared_dir)))
+        if self.object_store is not None and not isinstance(self.object_store, ObjectStore):
+            raise TypeError(f"object_store must be lowdiff.tiers.ObjectStore(...), "
+                            f"got {type(self.object_store).__name__}")
         if self.local is not None:
             check_policy("Tiers(local=...)", self.local)
         check_policy("Tiers(shared=...)", self.shared)
@@ -57,7 +70,8 @@ def tiers_partition(directory, tiers: Tiers | None, rank: int, world: int, param
     """The rank's Partition (lowdiff.distributed.partition.partition_for), also when only the shared tier is
     partitioned: nodes replaced with empty local directories continue a partitioned run."""
     partition = partition_for(directory, rank, world, params)
-    if partition is None and tiers is not None and is_partitioned(tiers.shared_dir):
+    if partition is None and tiers is not None and not is_object_url(tiers.shared_dir) and \
+            is_partitioned(tiers.shared_dir):
         partition = Partition.of(directory, rank, world, params)
     return partition
 

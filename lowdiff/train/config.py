@@ -52,6 +52,7 @@ class WrapConfig:
     boundary: str = "step"    # "step": the end of opt.step(); "manual": opt.boundary()
     replica: bool = False     # replica mode (LowDiff+, lowdiff.persist.replica)
     replica_inflight_steps: int = 2   # replica mode: captured steps not yet applied before step() waits
+    replica_inexact_gpu: bool = False  # replica mode: a CPU replica of a GPU model accepted (Replica.allow_inexact_gpu)
     tiers: Any = None         # lowdiff.tiers.Tiers: stage to a shared directory (None: one directory)
     differentials: bool | str = True   # record every step; False: full checkpoints only; "auto"
 
@@ -105,7 +106,12 @@ def check_wrap_arguments(optimizer, model, directory, compressor, scheduler, ext
         raise TypeError(f"extra_state must be a dict of name -> object, got {type(extra_state).__name__}")
     for name, obj in (extra_state or {}).items():
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-            raise TypeError(f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+            hint = ""
+            if isinstance(obj, (torch.utils.data.Sampler, torch.utils.data.DataLoader)):
+                # The data position is what the user wanted saved: say what saves it.
+                hint = (": to save the data order, pass lowdiff.ResumableLoader(DataLoader(...)) instead (it "
+                        "continues at the exact next batch after a resume)")
+            raise TypeError(f"extra_state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict(){hint}")
     owned = {id(p) for p in _unwrapped(model).parameters()}
     for index, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         if id(p) not in owned:

@@ -87,13 +87,28 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int(words[0]) << 32 | int(words[1])
 
 
+def _peek_seed() -> int:
+    """The number one draw of the global torch RNG would give, with the RNG left as it was.
+
+    A draw would move the RNG, and where the loader is built decides whether that draw is
+    checkpointed: Lightning calls ``train_dataloader`` after lowdiff's resume restored the RNG, so
+    a resumed run drew once more than the uninterrupted one and every later random number (dropout)
+    differed. The seed itself need not match across a resume: it is saved in ``state_dict()``."""
+    state = torch.get_rng_state()
+    try:
+        return int(torch.empty((), dtype=torch.int64).random_().item())
+    finally:
+        torch.set_rng_state(state)
+
+
 class ResumableLoader:
     """Iterate like ``loader``; ``state_dict()``/``load_state_dict()`` put a resumed run on the
     exact next batch. ``next_epoch`` is the epoch the next ``iter()`` yields (the interrupted one
     after a resume mid-epoch), for loops written ``for epoch in range(loader.next_epoch, N)``.
 
     ``seed``: the shuffle generator's seed when neither the loader nor its sampler has a
-    generator (default: one draw from the global torch RNG, at construction).
+    generator (default: the next number of the global torch RNG, read without advancing it — see
+    _peek_seed).
     """
 
     def __init__(self, loader: DataLoader, *, seed: int | None = None, seed_samples: bool = False):
@@ -106,8 +121,7 @@ class ResumableLoader:
         sampler: Any = getattr(batches, "sampler", None) if batches is not None else loader.sampler
         self.generator = getattr(sampler, "generator", None) or loader.generator or torch.Generator()
         if getattr(sampler, "generator", None) is None and loader.generator is None:
-            self.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item())
-                                       if seed is None else seed)
+            self.generator.manual_seed(_peek_seed() if seed is None else seed)
         if hasattr(sampler, "generator"):
             sampler.generator = self.generator   # shuffles from our generator, never the global RNG
         self._sampler: Any = sampler

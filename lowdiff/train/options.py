@@ -20,7 +20,6 @@ What depends on the run and on other arguments is checked by ``wrap``: "auto" an
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from typing import Any, Literal
 
@@ -126,17 +125,24 @@ class Replica(_Judged):
     previous write ended; 1: as often as the disk allows); differentials, in batches of
     ``batch_steps``, cover only the steps since the newest persisted replica. At most
     ``inflight_steps`` captured steps wait to be applied before ``step()`` waits. Needs
-    ``compressor=lowdiff.Dense()`` (the default): the replica applies the dense gradient."""
+    ``compressor=lowdiff.Dense()`` (the default): the replica applies the dense gradient.
+    ``allow_inexact_gpu``: the replica lives on the CPU; of a model on a GPU it may round
+    differently from the training (CPU and CUDA optimizer kernels are not bit-identical), so
+    wrap() refuses that unless this is True (then a resume from a persisted replica is close to,
+    not equal to, the uninterrupted run)."""
 
     full_every: int = DEFAULT_FULL_EVERY
     batch_steps: int = DEFAULT_BATCH_STEPS
     inflight_steps: int = 2
+    allow_inexact_gpu: bool = False
 
     def __post_init__(self):
         if self.full_every == "auto":
             raise ValueError("Replica(full_every='auto'): full_every='auto' is not supported in replica mode: give "
                              "how many steps apart the replica is persisted (1: as often as the disk allows)")
         _check_counts(self, "full_every", "batch_steps", "inflight_steps")
+        if not isinstance(self.allow_inexact_gpu, bool):
+            raise _refuse(self, "allow_inexact_gpu", self.allow_inexact_gpu, "True or False")
         self._check_judged()
 
 
@@ -193,7 +199,8 @@ def wrap_config(full_every: int | str | None, batch_steps: int | str | None, sch
         raise TypeError(f"options must be lowdiff.Options(...), got {options!r}")
     fields: dict[str, Any] = {"full_every": schedule.full_every, "batch_steps": schedule.batch_steps}
     if isinstance(schedule, Replica):
-        fields.update(replica=True, replica_inflight_steps=schedule.inflight_steps)
+        fields.update(replica=True, replica_inflight_steps=schedule.inflight_steps,
+                      replica_inexact_gpu=schedule.allow_inexact_gpu)
     else:
         fields["differentials"] = schedule.differentials
     fields.update(failure_rate_per_hour=schedule.failure_rate_per_hour, max_recovery_s=schedule.max_recovery_s,
@@ -254,7 +261,7 @@ def translate_deprecated(old: dict[str, Any], new: dict[str, Any], stacklevel: i
         shared_dir, tiers = old["shared_dir"], new["tiers"]
         if tiers is None:
             new["tiers"] = Tiers(shared_dir) if shared_dir is not None else None
-        elif shared_dir is not None and os.path.abspath(os.fspath(shared_dir)) != tiers.shared_dir:
+        elif shared_dir is not None and Tiers(shared_dir).shared_dir != tiers.shared_dir:
             raise ValueError(f"shared_dir={shared_dir!r} differs from tiers.shared_dir={tiers.shared_dir!r}")
         warn("shared_dir", f"tiers=lowdiff.Tiers({shared_dir!r})")
     given = {name: old[name] for name in _OPTIONS_KEYWORDS if name in old}

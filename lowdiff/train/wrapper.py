@@ -26,6 +26,7 @@ from lowdiff.capture.betweensteps import BetweenStepsWatch
 from lowdiff.capture.stepcapture import StepCapture
 from lowdiff.control.controller import Controller
 from lowdiff.distributed.ddp import distributed_rank, is_ddp
+from lowdiff.distributed.sharding import refuse_unsupported_sharding
 from lowdiff.errors import CheckpointError
 from lowdiff.persist.replica import Replica as ReplicaWorker
 from lowdiff.persist.replica import check_replica_arguments
@@ -90,7 +91,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already wrapped by lowdiff")
         check_wrap_arguments(optimizer, model, directory, compressor, scheduler, extra_state)
         loopchecks.refuse_unreplayable(optimizer, model, scheduler)
+        refuse_unsupported_sharding(optimizer, model, replica=config.replica)
         loopchecks.warn_unsaved_scheduler(optimizer, scheduler, extra_state)
+        loopchecks.warn_inexact_loaders(extra_state or {})
         if engine is None:
             # The I/O backend is chosen (and a bad FASTIO_BACKEND refused) here, not at the first step.
             fastio.engine()
@@ -108,7 +111,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{' and '.join(auto)}='auto' is not supported under torch.distributed yet: every rank "
                              f"must checkpoint at the same steps; give integers (python -m lowdiff tune suggests them)")
         if config.replica:
-            check_replica_arguments(self._capture.compressor)
+            check_replica_arguments(self._capture.compressor, self._capture.params, config.replica_inexact_gpu)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.distributed.partition).
         partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
@@ -233,7 +236,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             optimizer_s = time.perf_counter() - started
             session.controller.step_finished(optimizer_s, recording)
             if self.scheduler is not None:
-                self.scheduler.step()
+                if skipped:   # torch's warning about it would point here: said at the user's line
+                    loopchecks.step_scheduler_of_skipped(self.scheduler, self.step_count)
+                else:
+                    self.scheduler.step()
         except BaseException:
             session.step_failed(False)
             if replica is not None:
@@ -325,7 +331,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._session.mark_resumed()
         self.step_count = step
         self._capture.restart(residuals)
-        self._between.boundary_passed(step, None)
+        if step > 0:    # a restored state: its first window is compared with the next (betweensteps)
+            self._between.resumed(step, self._capture.restored_boundary)
+        else:
+            self._between.boundary_passed(step, None)
 
     # ------------------------------------------------------------ durability
     def stats(self) -> dict[str, Any]:
@@ -345,8 +354,17 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
     @property
     def durable_step(self) -> int:
-        """The newest step that is on disk and can be resumed (-1 before the first commit)."""
+        """The newest step that is on disk and can be resumed (-1 before the first commit). With
+        storage tiers, on the local tier: see ``shared_durable_step``."""
         return self._session.durable_step()
+
+    @property
+    def shared_durable_step(self) -> int | None:
+        """With storage tiers, the newest step the shared tier alone can be resumed at: what
+        survives losing the local directory. It trails ``durable_step`` by what the drainer has not
+        copied yet, at most about ``Tiers(max_lag_steps=...)`` steps plus two batches (``step()``
+        waits beyond that). None without tiers; -1 before the shared tier's first commit."""
+        return self._session.shared_durable_step()
 
     def flush(self) -> None:
         """Block until every recorded step (and any full checkpoint in progress) is durable.

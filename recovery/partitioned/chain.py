@@ -10,12 +10,19 @@ whole chain, and every rank decodes exactly the same bytes and stops at the same
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
+import torch
+
+from lowdiff.distributed import dtensors
 from lowdiff.errors import CorruptCheckpointError
-from lowdiff.format.records import StepRecord, decode_record
+from lowdiff.format.records import Compressed, StepRecord, decode_record
 from lowdiff.format.sharefile import DiffShareIndex
+from lowdiff.step.compress import decompress_into
 from lowdiff.store.manifest import BatchEntry
+
+_ASSEMBLE = -2   # an owner: the gradient is cut from every share's chunk (resharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +40,9 @@ Fetch = Callable[[int, int], object]
 
 def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | None]:
     """{step: (file position, offset, bytes)} of one share's records from ``first`` on, contiguous,
-    and the slots it owns (None when it holds no file). A file whose index does not verify ends
-    the share's chain before it (with a warning)."""
+    and the slots it owns (None when it holds no file), those whose gradients are DTensor chunks
+    (every share holds its own of those) marked by a negative entry ``-1 - slot``. A file whose
+    index does not verify ends the share's chain before it (with a warning)."""
     steps: dict = {}
     slots = None
     expected = first
@@ -42,11 +50,12 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
         if not isinstance(index, DiffShareIndex):
             warn(f"lowdiff: {index}; the chain of share {share.index} ends at step {expected - 1}")
             break
-        if index.index != share.index or (slots is not None and index.slots != slots):
+        marked = tuple(-1 - slot if slot in index.dtensors else slot for slot in index.slots)
+        if index.index != share.index or (slots is not None and marked != slots):
             warn(f"lowdiff: {name} is share {index.index} owning other parameters, not share {share.index}; "
                  f"the chain of share {share.index} ends at step {expected - 1}")
             break
-        slots = index.slots
+        slots = marked
         for step, offset, nbytes in index.batch.records:
             if step != expected:
                 if step > expected:
@@ -74,8 +83,14 @@ class MergedShares:
     ``entries``, ``steps``, ``prepare_read``, ``read_for_replay``, ``decode_record``)."""
 
     def __init__(self, root: str, shares: list, base_step: int, param_count: int, own: int | None, warn,
-                 fetch: Fetch):
+                 fetch: Fetch, live_chunks: dict | None = None):
+        """``live_chunks``: {slot: live DTensor parameter}; a recorded DTensor gradient whose chunks
+        are not this rank's chunks of it (another world size or mesh), or whose parameter is not a
+        DTensor here (export, an unsharded model: the whole gradient), is cut from every share's."""
         self.path = root
+        self._live = live_chunks or {}
+        self._chunks = [next((index.dtensors for _, index in share.files if isinstance(index, DiffShareIndex)), {})
+                        for share in shares]
         self.index_error = None
         self._own = own          # the share whose per-rank objects this rank takes (None: a new rank)
         self._param_count = param_count
@@ -100,6 +115,14 @@ class MergedShares:
         owner = [-1] * param_count
         for share, slots in enumerate(slots_per_share):
             for slot in slots:
+                if slot < 0:   # a DTensor chunk in every share: this rank's own if it is its live chunk
+                    slot = -1 - slot
+                    if slot < param_count and share == self._own and slot in self._live and \
+                            dtensors.same_chunk(self._chunks[share][slot], self._live[slot]):
+                        owner[slot] = share
+                    elif slot < param_count and owner[slot] == -1:
+                        owner[slot] = _ASSEMBLE   # unless the own share turns out to be it (above)
+                    continue
                 if slot >= param_count or owner[slot] != -1:
                     raise CorruptCheckpointError(self.path, f"differential shares claim parameter {slot} twice or "
                                                             f"beyond the {param_count} parameters")
@@ -154,12 +177,31 @@ class MergedShares:
         if not first.skipped:
             if any(len(r.grads) != self._param_count for r in records):
                 raise CorruptCheckpointError(self.path, f"a share of step {step} does not list every parameter")
-            grads = [records[share].grads[slot] for slot, share in enumerate(self._owner)]
+            grads = [self._assembled(slot, records) if share == _ASSEMBLE else records[share].grads[slot]
+                     for slot, share in enumerate(self._owner)]
         if self._own is not None:
             objects = records[self._own].objects
         else:  # a rank that did not exist: share 0's replicated objects, no RNG or extra state
             objects = {**records[0].objects, "rng": {}, "extra": {}}
         return StepRecord(step, first.skipped, grads, objects)
+
+    def _assembled(self, slot: int, records: list) -> Compressed:
+        """This rank's chunk of a DTensor gradient cut from every share's recorded chunk (each as its
+        optimizer consumed it: a TopK record is its dense chunk with zeros where nothing was kept)."""
+        recorded = [r.grads[slot] for r in records]
+        if all(g.kind == "none" for g in recorded):
+            return recorded[0]
+        pieces = []
+        for share, grad in enumerate(recorded):
+            entry = self._chunks[share][slot]
+            dense = torch.zeros(math.prod(entry["shape"]), dtype=next(g.values.dtype for g in recorded
+                                                                     if g.values is not None))
+            if grad.kind != "none":
+                decompress_into(grad, dense)
+            pieces.append((entry, dense))
+        # No live DTensor (export, an unsharded model): the whole gradient.
+        values = dtensors.assemble(self._live.get(slot), pieces[0][1].dtype, pieces).reshape(-1)
+        return Compressed("dense", values.numel(), values)
 
     def close(self) -> None:
         self._records = []

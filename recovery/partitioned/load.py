@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import fastio
+from lowdiff.distributed import dtensors
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.format import tree
 from lowdiff.format.fullckpt import payload_tensor
@@ -141,8 +142,9 @@ def _exchange_targets(pieces, whole, layout: dict, placed: dict):
         yield whole[run[0]:run[1]]
 
 
-def _state_of(path: str, index, shared, own_part) -> FullState:
-    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``."""
+def _state_of(path: str, index, shared, own_part, chunk=None) -> FullState:
+    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``;
+    a DTensor's chunk (sharded state) as ``chunk(key, local tensor, chunk entry)`` makes it."""
     layout = {e["key"]: e for e in index.layout}
     own, objects = own_part
 
@@ -152,8 +154,11 @@ def _state_of(path: str, index, shared, own_part) -> FullState:
         if key in own:
             entry, data = own[key]
             dtype = dtype_from_name(entry.dtype, path)
-            return torch.frombuffer(data, dtype=dtype).view(entry.shape) if entry.nbytes else \
+            local = torch.frombuffer(data, dtype=dtype).view(entry.shape) if entry.nbytes else \
                 torch.empty(entry.shape, dtype=dtype)
+            if key in index.dtensors and chunk is not None:
+                return chunk(key, local, index.dtensors[key])
+            return local
         raise CorruptCheckpointError(path, f"index has no tensor {key!r}")
     return FullState.from_tree(path, tree.join_tensors(tree.loads(objects, path), lookup))
 
@@ -194,7 +199,8 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     outline = None
     if own_part is not None:
         try:
-            outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part)
+            outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part,
+                                lambda key, local, entry: dtensors.outline(entry, local.dtype))
         except CorruptCheckpointError as exc:
             problems[own] = str(exc)
     problems = _agree_problems(problems, world)
@@ -205,7 +211,8 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     check_full(fset.files[own], index, outline)
     first = indexes[0]
     layout = {e["key"]: e for e in first.layout}
-    placed = _placement(first.layout, into() if into is not None else {}, world)
+    live = into() if into is not None else {}
+    placed = _placement(first.layout, live, world)
     staging = fastio.aligned_buffer(max(first.shared_bytes, PAGE))
     for i in range(rank, fset.count, world):
         try:
@@ -218,9 +225,55 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
         return None
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
-    state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part)
+    state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
+                      _chunk_rebuilder(fset, rank, live, indexes))
     return _Loaded(indexes[own], state, fset.files[own])
 
+
+def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict):
+    """How a DTensor chunk read back becomes the DTensor on the live mesh: this rank's own chunk at
+    the world size and mesh it was written with; else (resharding) this rank's chunk on the live
+    mesh, cut from the recorded chunks of every share that overlap it (docs/format.md, "Sharded
+    state"), for optimizers that work element by element only."""
+    meshes = dtensors.meshes_of(live.values())
+    own = rank if rank < fset.count else 0
+    slot_keys = {slot: f"/model/{key}" for key, slot in indexes[own].param_aliases.items()}
+    read: dict = {}   # share -> {key: (chunk entry, tensor)}, read once
+
+    def live_of(key: str):
+        target = live.get(key)
+        if target is None and key.startswith("/optimizer/state/"):
+            slot = key.split("/")[3]
+            target = live.get(slot_keys.get(int(slot), "")) if slot.isdigit() else None
+        return target if dtensors.is_dtensor(target) else None
+
+    def rebuild(key, local, entry):
+        target = live_of(key)
+        if target is None and meshes:   # a sharded model without this tensor: its mesh must be the recorded one
+            return dtensors.rebuild(fset.files[own], key, local, entry, meshes)
+        if target is not None and rank < fset.count and dtensors.same_chunk(entry, target):
+            return dtensors.rewrap(local, target)
+        # Another world size or mesh, or no sharded model at all (export, an unsharded model): this
+        # rank's new chunk, or the whole tensor, cut from every share's recorded chunk.
+        dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
+        pieces = [_recorded_chunk(fset, indexes, share, key, read) for share in range(fset.count)]
+        whole = dtensors.assemble(target, local.dtype, pieces)
+        return whole if target is None else dtensors.rewrap(whole, target)
+    return rebuild
+
+
+def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict) -> tuple:
+    """(chunk entry, tensor) of ``key`` in share ``share``, its checksum checked."""
+    if share not in read:
+        path, index = fset.files[share], indexes[share]
+        with fastio.Reader(path) as reader:
+            own, _ = read_own(path, reader, index)
+        read[share] = {k: (index.dtensors[k], torch.frombuffer(data, dtype=dtype_from_name(e.dtype, path))
+                           if e.nbytes else torch.empty(0, dtype=dtype_from_name(e.dtype, path)))
+                       for k, (e, data) in own.items() if k in index.dtensors}
+    if key not in read[share]:
+        raise CorruptCheckpointError(fset.files[share], f"share {share} holds no chunk of {key!r}")
+    return read[share][key]
 
 
 def full_index(share) -> FullIndex:

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from lowdiff.distributed.dtensors import LocalGradTarget
 from lowdiff.distributed.partition import missing_directory_error, rank_directory
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError, VersionMismatchError
 from lowdiff.format.schema import FullIndex
@@ -119,8 +120,9 @@ def _replay_chain(root: str, fset: FullSet, index: FullIndex, rank: int, world: 
     """Exchange and replay the differential shares continuing ``fset``: (last step, its record)."""
     shares = _exchange_indexes(root, fset, rank, world)
     try:
+        live = {slot: p.param for slot, p in enumerate(params) if isinstance(p, LocalGradTarget)}
         merged = MergedShares(root, shares, fset.step, len(index.param_names),
-                              rank if rank < fset.count else None, warn, _fetcher(shares, rank, world))
+                              rank if rank < fset.count else None, warn, _fetcher(shares, rank, world), live)
     except CorruptCheckpointError as exc:   # every rank decodes the same bytes: all stop here
         warn(f"lowdiff: {exc}; resuming at step {fset.step}, the full checkpoint's step")
         return fset.step, None

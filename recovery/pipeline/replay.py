@@ -23,6 +23,7 @@ import time
 import fastio
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.step.apply import GradientBuffers, machine_cores, replay_workers
+from recovery.pipeline.devicefeed import DeviceFeed
 from recovery.pipeline.heapreuse import keep_freed_memory
 from recovery.pipeline.progress import Progress
 
@@ -120,14 +121,18 @@ class _RecordMemory:
 WINDOW_BYTES = 1 << 30
 
 
-def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, memory: _RecordMemory):
+def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, memory: _RecordMemory,
+          feed: DeviceFeed | None = None):
     """Read, verify and decode one record into per-buffer updates (a worker thread). Returns them
-    with the read buffer they are views of (None: the reader's own bytes, e.g. joined shares)."""
+    with the read buffer they are views of (None: the reader's own bytes, e.g. joined shares).
+    With a ``feed`` (a GPU replay) the updates are on their way to the device."""
     started = time.perf_counter()
     data, buffer = reader.read_for_replay(position, memory)
     read = time.perf_counter()
     # Every reader hands over what read_for_replay returns: the values may be decoded as views of it.
     prepared = buffers.prepare(reader.decode_record(position, data, owned=True))
+    if feed is not None:
+        prepared = feed.stage(prepared)
     times.add(read - started, time.perf_counter() - read)
     return prepared, buffer
 
@@ -150,6 +155,7 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
                         "replaying differentials")
     in_flight: collections.deque = collections.deque()
     buffers = GradientBuffers(params)
+    feed = DeviceFeed.for_layout(buffers.layout)   # None on the CPU
     memory = _RecordMemory()
     held = None   # the read buffer of the last record applied (its record is returned)
     # keep_freed_memory: each optimizer step reuses the pages of the temporaries the last one freed
@@ -158,7 +164,7 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     with keep_freed_memory(), \
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
         try:
-            _fill(in_flight, tasks, pool, window, buffers, times, memory)
+            _fill(in_flight, tasks, pool, window, buffers, times, memory, feed)
             while in_flight:
                 item = in_flight.popleft()
                 if isinstance(item, CorruptCheckpointError):
@@ -174,7 +180,8 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
                 times.apply_s += time.perf_counter() - started
                 memory.give(held)
                 held = buffer
-                _fill(in_flight, tasks, pool, window, buffers, times, memory)   # after: at most ``window`` held
+                # after the apply: at most ``window`` held
+                _fill(in_flight, tasks, pool, window, buffers, times, memory, feed)
                 times.records += 1
                 progress.update()
                 step, last = prepared.record.step, prepared.record
@@ -189,7 +196,7 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
 
 
 def _fill(in_flight: collections.deque, tasks, pool, window: int, buffers: GradientBuffers,
-          times: ReplayTimes, memory: _RecordMemory) -> None:
+          times: ReplayTimes, memory: _RecordMemory, feed: DeviceFeed | None = None) -> None:
     """Submit tasks until ``window`` are in flight, or past two, WINDOW_BYTES (an error item ends
     the task list)."""
     while len(in_flight) < window and not (in_flight and isinstance(in_flight[-1], CorruptCheckpointError)):
@@ -201,7 +208,7 @@ def _fill(in_flight: collections.deque, tasks, pool, window: int, buffers: Gradi
         if isinstance(task, CorruptCheckpointError):
             in_flight.append(task)
             continue
-        future = pool.submit(_load, *task, buffers, times, memory)
+        future = pool.submit(_load, *task, buffers, times, memory, feed)
         reader, position = task
         future.nbytes = reader.entries[position][2]   # 0: unknown (shares joined in memory)
         in_flight.append(future)

@@ -1,0 +1,130 @@
+"""lowdiff.capture.devicecopy: a step's recorded gradients moved from the GPU to pinned host memory
+without a synchronisation in ``step()``.
+
+On the CPU a record's tensors are handed to the differential writer as they are. On CUDA the
+writer thread would otherwise call ``.cpu()`` on each (a blocking copy on the default stream, and
+device memory held by every record not yet written). Here, at the iteration boundary, the training
+thread only *enqueues*: the tensors are joined on the device (one per dtype), a side stream waits
+for the compute stream, copies each joined tensor into a pinned host tensor with
+``non_blocking=True`` and records an event; the record carries host tensors and a ``ready``
+callable, which the writer thread calls (``Event.synchronize``) before it reads them. ``step()``
+never waits for the copy.
+
+Why the source tensors are safe: what a compressor records is a tensor of its own (TopK's
+``index_select`` values and ``topk`` indices, Dense's and DDP's ``clone``), never the live
+``.grad`` that the next backward accumulates into, so nothing writes them after the copy is
+enqueued; the joined tensors are new too. Their memory is returned to torch's caching allocator
+when the record drops them, which would let the compute stream reuse it while the side stream
+still reads it: ``record_stream`` tells the allocator to wait for the side stream first.
+
+Pinned memory: the host tensors come from torch's caching host allocator (reused once freed and
+their copy has completed; it tracks that with its own events). A record holds them until its batch
+is written, so the pinned memory in use is bounded by the records not yet durable:
+``max_pending_batches * batch_steps`` records (the differential writer's backpressure) times one
+record's recorded bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+class CopyEngine:
+    """The stream and event operations ``DeviceCopy`` needs; the CUDA one below. A fake with the same
+    methods lets the CPU tests check the ordering (tests/gpu/test_device_pieces.py)."""
+
+    def stream_waits_for_current(self, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def copy_to_host(self, src: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def record_done(self):
+        """An object whose ``synchronize()`` returns once every copy enqueued so far has landed."""
+        raise NotImplementedError
+
+
+class CudaCopyEngine(CopyEngine):
+    """One side stream per device; copies into pinned memory on it."""
+
+    def __init__(self, device: torch.device):
+        self._stream = torch.cuda.Stream(device=device)
+
+    def stream_waits_for_current(self, device: torch.device) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+
+    def copy_to_host(self, src: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            host.copy_(src, non_blocking=True)
+        src.record_stream(self._stream)   # its memory is not reused before this copy has read it
+        return host
+
+    def record_done(self):
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+@dataclasses.dataclass
+class _Ready:
+    """The writer's wait for one record's copies (idempotent; drops the event once waited for)."""
+    event: Any
+
+    def __call__(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+class DeviceCopy:
+    """Moves the device tensors of recorded gradients to pinned host memory, ordered by events.
+    Training thread only: ``to_host(grads)`` -> (host grads, ready) where ``ready()`` blocks
+    until they have landed (call it on the thread that reads them)."""
+
+    def __init__(self, device: torch.device, engine: CopyEngine | None = None):
+        self.device = device
+        self._engine = engine if engine is not None else CudaCopyEngine(device)
+
+    @staticmethod
+    def needed(params: list) -> torch.device | None:
+        """The CUDA device of ``params`` when their gradients live on one (None: nothing to do)."""
+        devices = {p.device for p in params if p.device.type == "cuda"}
+        return next(iter(devices)) if len(devices) == 1 and torch.cuda.is_available() else None
+
+    def _moved(self, t) -> bool:
+        # Plain tensors on our device only (a DTensor's shape is not its local shape).
+        return type(t) is torch.Tensor and t.device == self.device
+
+    def to_host(self, grads: list) -> tuple[list, _Ready | None]:
+        """``grads`` (``Compressed``) with every tensor on ``self.device`` replaced by a view of a
+        pinned host copy in flight, and the wait for those copies (None when nothing was on the
+        device). The tensors are first joined on the device, one per dtype, so a model of hundreds
+        of parameters costs a few copies, not hundreds (each a launch on the training thread)."""
+        groups: dict = {}   # dtype -> [(position, field, tensor)]
+        for position, g in enumerate(grads):
+            for field in ("values", "indices"):
+                t = getattr(g, field)
+                if t is not None and self._moved(t):
+                    groups.setdefault(t.dtype, []).append((position, field, t))
+        if not groups:
+            return grads, None
+        # Joined on the compute stream (fresh tensors, which nothing else writes) ...
+        joined = {dtype: torch.cat([t.reshape(-1) for _, _, t in items]) if len(items) > 1 else
+                  items[0][2].reshape(-1) for dtype, items in groups.items()}
+        engine = self._engine
+        engine.stream_waits_for_current(self.device)   # ... and copied once that work is done
+        replaced: dict = {}
+        for dtype, items in groups.items():
+            host = engine.copy_to_host(joined[dtype])
+            offset = 0
+            for position, field, t in items:
+                replaced[(position, field)] = host[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+        out = [g if not any((position, f) in replaced for f in ("values", "indices")) else
+               dataclasses.replace(g, **{f: replaced[(position, f)] for f in ("values", "indices")
+                                         if (position, f) in replaced})
+               for position, g in enumerate(grads)]
+        return out, _Ready(engine.record_done())

@@ -1,0 +1,221 @@
+"""DTensor state (FSDP2 ``fully_shard``, tensor parallelism) as each rank's own chunks: the chunk
+entries the share files carry (docs/format.md, "Sharded state"), a DTensor's local chunk for the
+capture, the DTensor rebuilt around a chunk read back, and the gradient target a replay writes a
+recorded local gradient chunk through.
+
+Why chunks and not gathered tensors: under FSDP2 each rank's optimizer consumes only its local
+gradient chunk and updates only its local chunks of the state, so recording exactly those is what
+makes the replay exact, and no rank ever holds (or writes) another's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowdiff.errors import IncompatibleCheckpointError
+
+
+def is_dtensor(tensor: object) -> bool:
+    # By class name first: called for every gradient of every step, it must not import
+    # torch.distributed.tensor (or pay for an import statement) when nothing is sharded.
+    if type(tensor).__name__ != "DTensor" or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_chunk(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's local chunk of a DTensor (its own memory, no copy); any other tensor as it is."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor   # type: ignore[attr-defined]
+
+
+def placement_name(placement) -> str:
+    """"S<d>" for Shard(d), "R" for Replicate (the only placements wrap() lets through)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if isinstance(placement, Shard):
+        return f"S{placement.dim}"
+    if isinstance(placement, Replicate):
+        return "R"
+    raise ValueError(f"placement {placement!r} cannot be recorded (only Shard and Replicate)")
+
+
+def _placement(name: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate() if name == "R" else Shard(int(name[1:]))
+
+
+def chunk_entry(tensor) -> dict:
+    """The chunk entry (docs/format.md) of this rank's local chunk of the DTensor ``tensor``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = tensor.device_mesh
+    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+    if tuple(local_shape) != tuple(tensor._local_tensor.shape):
+        # A chunk laid out otherwise than torch's split rule (e.g. padded): its offsets would be wrong.
+        raise ValueError(f"a DTensor of shape {tuple(tensor.shape)} holds a local chunk of shape "
+                         f"{tuple(tensor._local_tensor.shape)}, not the {tuple(local_shape)} its placements give")
+    return {"global_shape": list(tensor.shape), "mesh_shape": list(mesh.shape),
+            "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            "placements": [placement_name(p) for p in tensor.placements], "offsets": list(offsets),
+            "shape": list(local_shape)}
+
+
+def meshes_of(tensors) -> dict:
+    """{(mesh shape, dim names): mesh} of the DTensors among ``tensors``."""
+    out: dict = {}
+    for t in tensors:
+        if is_dtensor(t):
+            mesh = t.device_mesh
+            out.setdefault((tuple(mesh.shape), tuple(mesh.mesh_dim_names or ())), mesh)
+    return out
+
+
+def rebuild(path: str, key: str, chunk: torch.Tensor, entry: dict, meshes: dict):
+    """The DTensor whose local chunk on this rank is ``chunk`` (read from ``path``), on the live mesh
+    that ``entry`` names. Refused (IncompatibleCheckpointError) when no live DTensor has that mesh or
+    this rank's chunk starts elsewhere: the checkpoint was written at another world size or mesh,
+    which this lowdiff does not reshard."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = meshes.get((tuple(entry["mesh_shape"]), tuple(entry["mesh_dim_names"] or ())))
+    if mesh is None:
+        shapes = sorted(shape for shape, _ in meshes) or "none"
+        raise IncompatibleCheckpointError(
+            f"{path}: {key!r} was written on a device mesh of shape {tuple(entry['mesh_shape'])}; the live model's "
+            f"DTensors have meshes of shapes {shapes}. Resuming sharded state at another world size or mesh is not "
+            f"supported yet: resume with the world size it was written with")
+    placements = [_placement(name) for name in entry["placements"]]
+    shape, offsets = compute_local_shape_and_global_offset(entry["global_shape"], mesh, placements)
+    if list(offsets) != entry["offsets"] or tuple(shape) != tuple(chunk.shape):
+        raise IncompatibleCheckpointError(
+            f"{path}: this rank's chunk of {key!r} starts at {list(offsets)} with shape {tuple(shape)} on the live "
+            f"mesh, the recorded one at {entry['offsets']} with shape {tuple(chunk.shape)}: the checkpoint was written "
+            f"by other ranks (resharding is not supported yet)")
+    stride = [math.prod(entry["global_shape"][i + 1:]) for i in range(len(entry["global_shape"]))]
+    return DTensor.from_local(chunk, mesh, placements, run_check=False, shape=torch.Size(entry["global_shape"]),
+                              stride=tuple(stride))
+
+
+def outline(entry: dict, dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of the DTensor's global shape (what compat checks compare with the live one)."""
+    return torch.empty(entry["global_shape"], dtype=dtype, device="meta")
+
+
+class LocalGradTarget:
+    """What a replay (lowdiff.step.apply.GradientBuffers) takes for a DTensor parameter: it has the
+    local chunk's dtype, device, shape and ``numel()``, and setting ``grad`` to a local gradient chunk
+    sets the parameter's gradient to the DTensor around it (same mesh and placements, no copy), which
+    the user's optimizer then consumes as it did in training."""
+
+    def __init__(self, param):
+        self.param = param
+        local = param._local_tensor
+        self.dtype, self.device, self.shape = local.dtype, local.device, local.shape
+        self._numel = local.numel()
+        self._given: tuple | None = None   # (local chunk, the DTensor made of it)
+
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def grad(self):
+        grad = self.param.grad
+        if grad is None:
+            return None
+        if self._given is not None and grad is self._given[1]:
+            return self._given[0]
+        return grad._local_tensor
+
+    @grad.setter
+    def grad(self, value) -> None:
+        if value is None:
+            self.param.grad, self._given = None, None
+            return
+        from torch.distributed.tensor import DTensor
+
+        p = self.param
+        wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                     stride=p.stride())
+        p.grad, self._given = wrapped, (value, wrapped)
+
+
+def grad_targets(params: list) -> list:
+    """``params`` with each DTensor replaced by its LocalGradTarget (see there)."""
+    return [LocalGradTarget(p) if is_dtensor(p) else p for p in params]
+
+
+# ---------------------------------------------------------------- resharding (another world size or mesh)
+# Optimizers whose update of an element reads only that element's state and gradient (and scalars):
+# their state after a step does not depend on how the tensors are cut into chunks.
+ELEMENTWISE = frozenset(f"torch.optim.{module}.{name}" for module, name in (
+    ("sgd", "SGD"), ("adam", "Adam"), ("adamw", "AdamW"), ("adagrad", "Adagrad"), ("rmsprop", "RMSprop"),
+    ("adamax", "Adamax"), ("nadam", "NAdam"), ("radam", "RAdam"), ("adadelta", "Adadelta")))
+
+
+def check_reshardable(path: str, optimizer_class: str) -> None:
+    """Refuse resharding the state of an optimizer not known to work element by element (one that
+    reads a whole tensor, e.g. its norm, would step differently on other chunks)."""
+    if optimizer_class not in ELEMENTWISE:
+        raise IncompatibleCheckpointError(
+            f"{path}: sharded state of optimizer {optimizer_class} cannot be resumed at another world size or mesh: "
+            f"lowdiff reshards only optimizers that work element by element "
+            f"({', '.join(sorted(name.rsplit('.', 1)[1] for name in ELEMENTWISE))}); resume at the world size it was "
+            f"written with")
+
+
+def live_chunk(tensor) -> tuple:
+    """(mesh, placements, global shape, local shape, offsets) of a live DTensor on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tuple(shape), tuple(offsets)
+
+
+def same_chunk(entry: dict, live) -> bool:
+    """Whether the recorded chunk ``entry`` is this rank's chunk of the live DTensor ``live``."""
+    mesh, placements, global_shape, shape, offsets = live_chunk(live)
+    return (list(global_shape), list(mesh.shape), [placement_name(p) for p in placements], list(offsets),
+            list(shape)) == (entry["global_shape"], entry["mesh_shape"], entry["placements"], entry["offsets"],
+                             entry["shape"])
+
+
+def copy_overlap(dst: torch.Tensor, dst_offsets, src: torch.Tensor, src_offsets) -> None:
+    """Copy the part of ``src`` (a chunk at ``src_offsets`` of a global tensor) that overlaps ``dst``
+    (a chunk at ``dst_offsets`` of the same tensor) into ``dst``."""
+    dst_index, src_index = [], []
+    for d_off, d_n, s_off, s_n in zip(dst_offsets, dst.shape, src_offsets, src.shape):
+        low, high = max(d_off, s_off), min(d_off + d_n, s_off + s_n)
+        if high <= low:
+            return
+        dst_index.append(slice(low - d_off, high - d_off))
+        src_index.append(slice(low - s_off, high - s_off))
+    dst[tuple(dst_index)] = src[tuple(src_index)]
+
+
+def assemble(live, dtype: torch.dtype, pieces) -> torch.Tensor:
+    """This rank's chunk of ``live`` from recorded chunks ``pieces`` [(chunk entry, local tensor)]
+    that tile the tensor: of the live DTensor (its mesh and placements), or the whole tensor when
+    ``live`` is not a DTensor (an unsharded model, or ``export``: a plain tensor of the global shape)."""
+    if is_dtensor(live):
+        _, _, _, shape, offsets = live_chunk(live)
+    else:
+        shape = tuple(pieces[0][0]["global_shape"])
+        offsets = (0,) * len(shape)
+    out = torch.zeros(shape, dtype=dtype)
+    for entry, tensor in pieces:
+        copy_overlap(out, offsets, tensor.view(entry["shape"]), entry["offsets"])
+    return out
+
+
+def rewrap(chunk: torch.Tensor, live):
+    """The DTensor on ``live``'s mesh and placements whose local chunk is ``chunk``."""
+    from torch.distributed.tensor import DTensor
+
+    stride = [math.prod(live.shape[i + 1:]) for i in range(len(live.shape))]
+    return DTensor.from_local(chunk, live.device_mesh, live.placements, run_check=False, shape=live.shape,
+                              stride=tuple(stride))

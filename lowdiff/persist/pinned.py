@@ -1,0 +1,171 @@
+"""lowdiff.persist.pinned: a full checkpoint of CUDA tensors copied to the host in chunks through a
+bounded ring of reused pinned buffers, on a side stream, off the training thread.
+
+Why: a device-to-host copy into pageable memory (the staging buffer fastio writes from with
+O_DIRECT) is slow and synchronous; into pinned memory it runs at the link's speed and
+asynchronously. Pinning the whole staging buffer would pin a state-sized amount of host memory for
+good; a ring of ``slots`` chunks of ``chunk_bytes`` bounds the pinned memory at ``slots *
+chunk_bytes`` (128 MiB by default) whatever the model's size.
+
+Order of events (one checkpoint):
+
+1. training thread, at the iteration boundary (``FullWriter.take``): ``mark()`` records an event on
+   each source device's current stream: the state as the optimizer step left it.
+2. persist thread (``copy``): the side stream waits for that event; chunk n is copied into slot
+   n % slots with ``non_blocking=True`` and an event is recorded after it. Before slot s is
+   reused, the event of the chunk that last used it is waited for and that chunk is moved from the
+   slot into its place in staging (a host memcpy, GIL released: ``fastio.copy_regions``). So up to
+   ``slots`` chunks are in flight while the host drains the oldest.
+3. training thread, before the next optimizer step (``FullWriter.release``): waits until ``copy``
+   has returned, i.e. every chunk has landed in staging. It never waits for the disk.
+
+The sources must stay unmodified from ``mark()`` to the end of ``copy`` (the next forward and
+backward only read parameters and optimizer state; ``release`` holds back the optimizer step and
+judges by version counters whether anything else wrote them, as for CPU tensors).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+import fastio
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_SLOTS = 2
+
+
+def plan_chunks(sizes: list[int], chunk_bytes: int) -> list[list[tuple[int, int, int, int]]]:
+    """The pieces ``(source index, start byte, length, offset in the slot)`` of each chunk, in
+    source order: every byte of every source exactly once, each chunk at most ``chunk_bytes``
+    (a source larger than a chunk is split; small ones share a chunk). Zero-sized sources have no
+    piece."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 1")
+    chunks: list[list[tuple[int, int, int, int]]] = []
+    current: list[tuple[int, int, int, int]] = []
+    used = 0
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            if used == chunk_bytes:
+                chunks.append(current)
+                current, used = [], 0
+            length = min(size - start, chunk_bytes - used)
+            current.append((index, start, length, used))
+            used += length
+            start += length
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class CudaRing:
+    """The CUDA operations of the ring: pinned slots, a side stream, events."""
+
+    def __init__(self):
+        self._streams: dict = {}
+        self._marks: list = []
+
+    @staticmethod
+    def handles(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    def slot(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def mark(self, devices) -> None:
+        """Training thread: the state the copy must see is the one the work enqueued so far makes."""
+        self._marks = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._marks.append((device, event))
+
+    def _stream(self, device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def wait_marked(self) -> None:
+        for device, event in self._marks:
+            self._stream(device).wait_event(event)
+        self._marks = []
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream(src.device)):
+            dst.copy_(src, non_blocking=True)
+
+    def record_done(self, device):
+        event = torch.cuda.Event()
+        event.record(self._stream(device))
+        return event
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (a view, no copy)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+
+
+class PinnedStaging:
+    """The bounded pinned ring (see the module doc). ``mark`` on the training thread, then ``copy``
+    on the persist thread; one checkpoint at a time (the full writer persists one at a time)."""
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, slots: int = DEFAULT_SLOTS, ring=None):
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be >= 1")
+        self.chunk_bytes, self.slots = chunk_bytes, slots
+        self._ring = ring if ring is not None else CudaRing()
+        self._slots: list[torch.Tensor] = []     # allocated at the first copy, then reused
+        self.chunks_copied = 0                   # for tests and stats
+
+    @property
+    def bound_bytes(self) -> int:
+        """The most pinned host memory this ring ever holds."""
+        return self.chunk_bytes * self.slots
+
+    def handles(self, tensor: torch.Tensor) -> bool:
+        """Whether ``copy`` moves ``tensor`` through the ring (a CUDA tensor)."""
+        return self._ring.handles(tensor)
+
+    def mark(self, tensors) -> None:
+        """Training thread, at the boundary: what the copy must wait for (see the module doc)."""
+        self._ring.mark(sorted({t.device for t in tensors if self._ring.handles(t)}, key=str))
+
+    def copy(self, destinations: list, sources: list) -> None:
+        """Persist thread: copy each ``sources[i]`` (contiguous; CPU ones directly) into
+        ``destinations[i]`` (host memory of the same bytes), device ones through the ring."""
+        on_device = [i for i, src in enumerate(sources) if self._ring.handles(src)]
+        with torch.no_grad():
+            for dst, src in zip(destinations, sources):
+                if not self._ring.handles(src):
+                    dst.copy_(src)
+            if not on_device:
+                return
+            if not self._slots:
+                self._slots = [self._ring.slot(self.chunk_bytes) for _ in range(self.slots)]
+            src_bytes = [byte_view(sources[i]) for i in on_device]
+            dst_bytes = [byte_view(destinations[i]) for i in on_device]
+            self._ring.wait_marked()
+            in_flight: collections.deque = collections.deque()
+            for n, chunk in enumerate(plan_chunks([s.numel() for s in src_bytes], self.chunk_bytes)):
+                if len(in_flight) == self.slots:
+                    self._drain(in_flight.popleft(), dst_bytes)
+                slot = self._slots[n % self.slots]
+                for index, start, length, offset in chunk:
+                    self._ring.copy_async(slot[offset:offset + length], src_bytes[index][start:start + length])
+                devices = {src_bytes[index].device for index, _, _, _ in chunk}
+                in_flight.append((slot, chunk, [self._ring.record_done(d) for d in sorted(devices, key=str)]))
+            while in_flight:
+                self._drain(in_flight.popleft(), dst_bytes)
+
+    def _drain(self, entry: tuple, dst_bytes: list) -> None:
+        """Wait for ``entry``'s chunk to land in its slot, then move it into staging (GIL released)."""
+        slot, chunk, done = entry
+        for event in done:
+            event.synchronize()
+        base = slot.data_ptr()
+        fastio.copy_regions([dst_bytes[index].data_ptr() + start for index, start, _, _ in chunk],
+                            [base + offset for _, _, _, offset in chunk], [length for _, _, length, _ in chunk])
+        self.chunks_copied += 1

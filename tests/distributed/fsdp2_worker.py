@@ -1,0 +1,169 @@
+"""One rank of a small FSDP2 run (fully_shard on each Linear and the root, gloo, CPU) that lowdiff
+checkpoints into a partitioned directory; used by test_fsdp2_resume.py.
+
+Each line of --digests: "STEP GATHERED DIGEST": GATHERED hashes the parameters and optimizer state
+gathered to full tensors (the same at any world size), DIGEST everything this rank holds (its local
+chunks of the parameters and optimizer state, the scheduler, the sampler, every RNG). The first line
+is "resumed STEP GATHERED DIGEST". With --crash-at K every rank SIGKILLs itself after step K (as torchrun kills a
+job), without flushing.
+"""
+import argparse
+import hashlib
+import logging
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import lowdiff
+import recovery
+from lowdiff.cli.demo import ShuffledSampler
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def digest(model, opt, sched, sampler) -> str:
+    h = hashlib.sha256()
+
+    def add(t):
+        t = local(t).detach().contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode() + (t.view(-1).view(torch.uint8).numpy().tobytes()
+                                                             if t.numel() else b""))
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        add(value)
+    state = opt.state_dict()
+    for index in sorted(state["state"]):
+        for key, value in sorted(state["state"][index].items()):
+            h.update(f"{index}/{key}".encode())
+            add(value) if isinstance(value, torch.Tensor) else h.update(repr(value).encode())
+    h.update(repr(state["param_groups"]).encode())
+    h.update(repr(sorted(sched.state_dict().items())).encode())
+    h.update(repr(sampler.state_dict()).encode())
+    add(torch.get_rng_state())
+    h.update(repr(random.getstate()).encode() + repr(np.random.get_state(legacy=True)[1].tolist()).encode())
+    return h.hexdigest()
+
+
+def gathered(model, opt, sched) -> str:
+    """A hash of the state gathered to full tensors (a collective): the same at any world size."""
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    state = opt.state_dict()
+    return gathered_of({k: full(v) for k, v in model.state_dict().items()},
+                       {i: {k: full(v) for k, v in s.items()} for i, s in state["state"].items()},
+                       state["param_groups"])
+
+
+def gathered_of(model_state: dict, optimizer_state: dict, param_groups: list) -> str:
+    """The hash ``gathered`` computes, of full tensors (also of what ``python -m lowdiff export`` wrote)."""
+    h = hashlib.sha256()
+
+    def raw(t):
+        return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    for key, value in sorted(model_state.items()):
+        h.update(key.encode() + raw(value))
+    for index in sorted(optimizer_state):
+        for key, value in sorted(optimizer_state[index].items()):
+            h.update(f"{index}/{key}".encode() + raw(value))
+    h.update(repr([sorted((k, v) for k, v in g.items() if k != "params") for g in param_groups]).encode())
+    return h.hexdigest()
+
+
+class OwnSGD(torch.optim.SGD):
+    """A user's optimizer class (whatever its step does, lowdiff cannot know it is element-wise)."""
+
+
+class Tied(torch.nn.Module):
+    """Takes 8 features as the MLP does; its output layer is tied to an input embedding (one
+    parameter, two state-dict names), as a language model's head is."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 6)
+        self.embed = torch.nn.Embedding(5, 6)
+        self.head = torch.nn.Linear(6, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)) + self.embed.weight.mean(0))
+
+
+def build(args):
+    torch.manual_seed(0)   # the same initial weights on every rank (fully_shard keeps each its chunk)
+    if args.tied:
+        model = Tied()
+        fully_shard(model.body)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                    torch.nn.Linear(24, 5))   # 5 rows: uneven chunks on 2 and 4 ranks
+        for layer in (model[0], model[3]):
+            fully_shard(layer)
+    fully_shard(model)
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:   # a class lowdiff does not know to work element by element: resharding it is refused
+        opt = OwnSGD(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    sampler = ShuffledSampler(size=64, seed=args.rank)
+    torch.manual_seed(100 + args.rank)   # each rank its own dropout masks
+    random.seed(args.rank)
+    np.random.seed(args.rank)
+    return model, opt, sched, sampler
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("rank", "world", "port", "steps"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--digests", required=True)
+    p.add_argument("--compressor", choices=["dense", "topk", "topk-ef"], default="dense")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "own"], default="adamw")
+    p.add_argument("--crash-at", type=int)
+    p.add_argument("--resume-only", action="store_true", help="resume, write the 'resumed' line, stop")
+    p.add_argument("--resume-step", type=int, help="resume at this step (time travel)")
+    p.add_argument("--tied", action="store_true", help="a model with a tied weight (Tied)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world)
+    model, opt, sched, sampler = build(args)
+    compressor = lowdiff.Dense() if args.compressor == "dense" else \
+        lowdiff.TopK(ratio=0.25, min_numel=16, error_feedback=args.compressor == "topk-ef")
+    opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
+                       extra_state={"sampler": sampler})
+    start = recovery.resume(args.dir, model, opt, step=args.resume_step)
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
+    target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))
+    with open(args.digests, "a") as out:
+        out.write(f"resumed {int(start)} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")
+        out.flush()
+        for step in range(int(start), args.steps if not args.resume_only else int(start)):
+            idx = sampler.next_batch(8)
+            torch.nn.functional.cross_entropy(model(data[idx]), target[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+            out.write(f"{step + 1} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")
+            out.flush()
+            if args.crash_at == step + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    opt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # torch 2.13 + gloo abort at interpreter exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Sharded training lowdiff cannot record is refused at wrap(), before anything is written, with a
+message naming the module or parameter and what to do (issue #31, item 4). Before, a sharded model
+trained until the first checkpoint and then failed in the background ('.numpy() is not supported for
+tensor subclasses', 'copy_regions: region 0 has a null address'); FSDP1, ZeRO and Partial placements
+were not looked at."""
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from partition_runs import free_port  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "fsdp_refusal_worker.py")
+
+
+def run(tmp_path, world, cases):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
+                               "--dir", str(tmp_path / f"rank{rank}"), "--cases", ",".join(cases)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        reports.append({r["case"]: r for r in map(json.loads, out.splitlines())})
+    return reports
+
+
+# case -> (exception type, words the message must hold)
+REFUSED = {
+    "tensor_parallel": ("TypeError", ["'0.weight'", "DTensor", "outside any fully_shard()ed module"]),
+    "fsdp2_replica": ("ValueError", ["'0.weight'", "replica mode", "full_every/batch_steps"]),
+    "hsdp": ("TypeError", ["'0.weight'", "2-D mesh of shape (1, 1)", "HSDP", "1-D mesh"]),
+    "fsdp2_mixed": ("ValueError", ["module '2'", "MixedPrecisionPolicy(param_dtype=torch.bfloat16",
+                                   "mp_policy=MixedPrecisionPolicy()"]),
+    "fsdp2_offload": ("ValueError", ["the model", "CPUOffloadPolicy", "OffloadPolicy()"]),
+    "fsdp1": ("TypeError", ["module '2'", "FSDP1 FullyShardedDataParallel", "fully_shard"]),
+    "zero": ("TypeError", ["ZeroRedundancyOptimizer", "(SGD)", "DistributedDataParallel"]),
+    "partial": ("ValueError", ["'2.weight'", "Partial(sum)", "Shard or Replicate"]),
+}
+
+
+def test_refused_at_wrap_with_the_culprit_named(tmp_path):
+    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", *REFUSED])
+    assert reports["plain"]["error"] is None   # an unsharded model under torch.distributed still wraps
+    assert reports["fsdp2"]["error"] is None   # FSDP2 on a 1-D mesh is recorded (test_fsdp2_resume.py)
+    for case, (error, words) in REFUSED.items():
+        report = reports[case]
+        assert report["error"] == error, report
+        for word in words:
+            assert word in report["message"], (case, word, report["message"])
+        assert report["files"] == [], report   # refused before the directory was touched
+

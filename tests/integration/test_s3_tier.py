@@ -1,0 +1,237 @@
+"""The shared tier in an S3-compatible bucket (lowdiff.tiers.bucket), against a real moto server
+process reached through a fault-injecting proxy (s3_helpers): draining, commit by manifest object,
+retention, multipart uploads and their abort, errors surfaced at step()/close(), exact resume from
+the bucket alone."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+from s3_helpers import listing, open_uploads
+
+import lowdiff
+from lowdiff.cli.demo import train
+from lowdiff.tiers import KeepLast, ObjectStore
+from lowdiff.tiers.objectstore import parse_s3_url
+
+MANIFEST_RE = re.compile(r"MANIFEST-(\d{12})\.json$")
+
+
+def committed(s3, prefix: str) -> dict:
+    """The body of the bucket's only manifest object (there is exactly one after a clean close)."""
+    keys = [k for k in listing(s3.client, s3.bucket, prefix) if MANIFEST_RE.search(k)]
+    assert len(keys) == 1, keys
+    outer = json.loads(s3.client.get_object(Bucket=s3.bucket, Key=keys[0])["Body"].read())
+    return outer["bucket_manifest"]
+
+
+def test_bad_urls_are_refused_at_wrap_time():
+    for url, what in (("s3://a/run", "not a valid bucket"), ("s3://Bucket/run", "not a valid bucket"),
+                      ("s3://bucket/a//b", "empty"), ("s3://bucket/../x", "'..'"),
+                      ("gs://bucket/run", "only s3://")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            lowdiff.Tiers(url)
+    assert lowdiff.Tiers("s3://bucket/run/").shared_dir == "s3://bucket/run"
+    assert parse_s3_url("s3://bucket").prefix == ""
+    with pytest.raises(ValueError, match="part_bytes"):
+        ObjectStore(part_bytes=0)
+
+
+def test_drains_into_the_bucket_and_lists_every_object_with_size_and_crc(s3, tmp_path):
+    tiers = lowdiff.Tiers(f"s3://{s3.bucket}/run", shared=KeepLast(2))
+    train(str(tmp_path / "local"), 20, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    body = committed(s3, "run/")
+    objects = listing(s3.client, s3.bucket, "run/")
+    names = set(body["objects"])
+    assert names == {e["file"] for e in body["manifest"]["manifest"]["fulls"] + body["manifest"]["manifest"]["batches"]}
+    assert {k.removeprefix("run/") for k in objects} == names | {MANIFEST_RE.search(k).group(0) for k in objects
+                                                                  if MANIFEST_RE.search(k)}
+    fulls = sorted(e["step"] for e in body["manifest"]["manifest"]["fulls"])
+    assert fulls == [15, 20]                                       # KeepLast(2) applied in the bucket
+    for name, info in body["objects"].items():
+        data = s3.client.get_object(Bucket=s3.bucket, Key=f"run/{name}")["Body"].read()
+        assert len(data) == info["nbytes"]
+        assert zlib.crc32(b"") == 0 and info["crc32c"] == lowdiff_crc(data)
+    assert open_uploads(s3.client, s3.bucket) == []
+
+
+def lowdiff_crc(data: bytes) -> int:
+    import fastio
+
+    return fastio.crc32c(data)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The uninterrupted run's state digest after every step (no lowdiff)."""
+    return train(None, 30, full_every=5, batch_steps=2, log=lambda m: None)["digests"]
+
+
+def test_resume_from_the_bucket_alone_is_exact(s3, tmp_path, reference):
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 17, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    shutil.rmtree(tmp_path / "node1")                      # the node is gone; the bucket is not
+    said: list = []
+    out = train(str(tmp_path / "node2"), 30, full_every=5, batch_steps=2, tiers=tiers, log=said.append)
+    assert out["start"] == 17 and "tier shared" in said
+    assert out["digests"] == {step: reference[step] for step in range(17, 31)}
+    # The new node continued the bucket's run: its commits replaced the old ones.
+    body = committed(s3, "run/")
+    assert sorted(e["step"] for e in body["manifest"]["manifest"]["fulls"]) == [22, 27]   # fulls every 5 steps from 17
+
+
+def client_for(s3, prefix: str, **options):
+    from lowdiff.tiers.objectstore import S3Client
+
+    return S3Client(parse_s3_url(f"s3://{s3.bucket}/{prefix}"), ObjectStore(**options))
+
+
+def test_a_multipart_upload_survives_slowdown_drops_and_a_stall(s3, tmp_path, rng):
+    import fastio
+
+    data = rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    (tmp_path / "big").write_bytes(data)
+    client = client_for(s3, "mp", part_bytes=64 << 10, max_concurrency=3, deadline_s=20, read_timeout_s=1)
+    s3.proxy.stall_s = 1.5
+    s3.proxy.fail("503", 2, "partNumber=2")
+    s3.proxy.fail("drop", 1, "partNumber=4")
+    s3.proxy.fail("stall", 1, "partNumber=5")
+    s3.proxy.fail("500", 1, "uploadId=")          # the completion (or a part) once more
+    assert client.upload_file(str(tmp_path / "big"), "big") == (len(data), fastio.crc32c(data))
+    assert s3.client.get_object(Bucket=s3.bucket, Key="mp/big")["Body"].read() == data
+    assert sum("partNumber=" in line for line in s3.proxy.seen) >= 5 + 4     # 5 parts, 4 failed once
+    assert open_uploads(s3.client, s3.bucket) == []
+
+
+def test_a_failed_multipart_upload_is_aborted(s3, tmp_path):
+    from lowdiff.tiers.objectstore import ObjectStoreError
+
+    (tmp_path / "big").write_bytes(bytes(200_000))
+    client = client_for(s3, "mp", part_bytes=64 << 10, max_concurrency=2, deadline_s=0.5)
+    s3.proxy.fail("503", 10_000, "partNumber=3")   # SlowDown for ever: the deadline expires
+    with pytest.raises(ObjectStoreError, match="part 3 of big"):
+        client.upload_file(str(tmp_path / "big"), "big")
+    assert open_uploads(s3.client, s3.bucket) == []            # no parts left billed
+    assert "mp/big" not in listing(s3.client, s3.bucket)
+    assert any(line.startswith("DELETE") and "uploadId=" in line for line in s3.proxy.seen)
+
+
+@pytest.mark.parametrize("problem", ["missing bucket", "wrong endpoint"])
+def test_a_bucket_that_cannot_be_used_fails_at_close_and_the_local_tier_keeps_working(
+        s3, tmp_path, monkeypatch, reference, problem):
+    from lowdiff.tiers.objectstore import ObjectStoreError
+
+    bucket = s3.bucket
+    if problem == "missing bucket":
+        bucket = "lowdiff-no-such-bucket"
+    else:
+        from s3_helpers import free_port
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")   # nothing listens
+    tiers = lowdiff.Tiers(f"s3://{bucket}/run", object_store=ObjectStore(deadline_s=0.5))
+    said: list = []
+    with pytest.raises(ObjectStoreError) as raised:
+        train(str(tmp_path / "local"), 6, full_every=5, batch_steps=2, tiers=tiers, log=said.append)
+    text = str(raised.value) + " ".join(getattr(raised.value, "__notes__", []))
+    assert ("does not exist" if problem == "missing bucket" else "cannot reach the endpoint") in text
+    assert "keeps its checkpoints" in text and "lowdiff-test-secret" not in text
+    # wrap() and resume went through (the local tier works); the error came at the first step().
+    assert said[0] == "tier local" and not any(line.startswith("step ") for line in said)
+
+
+def test_cli_reads_the_bucket_and_a_damaged_object_is_named_and_not_used(s3, tmp_path, reference, capsys):
+    from lowdiff.cli.main import main
+
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    assert main(["verify", url]) == 0
+    assert main(["export", url, "--step", "12", "-o", str(tmp_path / "s12.pt")]) == 0
+    assert (tmp_path / "s12.pt").stat().st_size > 0
+    capsys.readouterr()
+    body = committed(s3, "run/")
+    newest = max(body["manifest"]["manifest"]["fulls"], key=lambda e: e["step"])
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"run/{newest['file']}")["Body"].read())
+    data[len(data) // 2] ^= 0xFF                            # one flipped bit, same size
+    s3.client.put_object(Bucket=s3.bucket, Key=f"run/{newest['file']}", Body=bytes(data))
+    assert main(["verify", url]) == 1
+    assert newest["file"] in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "node1")
+    out = train(str(tmp_path / "node2"), 14, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    # The damaged full checkpoint is passed over: the older one and its chain reach step 12 exactly.
+    assert out["start"].full_step < newest["step"] and out["start"] == 12
+    assert out["digests"] == {step: reference[step] for step in range(12, 15)}
+
+
+def test_the_deprecated_shared_dir_keyword_takes_an_s3_url_too(s3, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    url = f"s3://{s3.bucket}/old"
+    with pytest.warns(DeprecationWarning, match="shared_dir"):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, str(tmp_path / "local"),
+                           shared_dir=url)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    assert opt.config.tiers.shared_dir == url and not (tmp_path / "s3:").exists()
+    assert any(k.startswith("old/MANIFEST-") for k in listing(s3.client, s3.bucket, "old/"))
+
+
+def test_a_second_writer_is_refused_by_the_conditional_put(s3, tmp_path):
+    from lowdiff.errors import CheckpointError
+    from lowdiff.store.manifest import FullEntry
+    from lowdiff.tiers.bucket import BucketStore
+
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    first, second = (BucketStore(f"s3://{s3.bucket}/two", KeepLast(2), verify=False) for _ in range(2))
+    first.open()
+    second.open()
+    for store, name in ((first, "full-000000000001-aaaaaaaa.ldf"), (second, "full-000000000002-bbbbbbbb.ldf")):
+        entry = FullEntry(int(name[5:17]), name, 100, name[18:26])
+        store.receive(str(tmp_path / "f"), entry, {})
+        if store is first:
+            store.commit_copied(entry)
+        else:
+            with pytest.raises(CheckpointError, match="another writer"):
+                store.commit_copied(entry)
+    # A put whose answer was lost and whose retry is refused is recognised as ours.
+    s3.proxy.fail("lose", 1, "MANIFEST-000000000001")
+    entry = FullEntry(3, "full-000000000003-aaaaaaaa.ldf", 100, "aaaaaaaa")
+    first.receive(str(tmp_path / "f"), entry, {})
+    first.commit_copied(entry)
+    assert first.listed().files() == {"full-000000000001-aaaaaaaa.ldf", "full-000000000003-aaaaaaaa.ldf"}
+    assert sum("MANIFEST-000000000001" in line and line.startswith("PUT") for line in s3.proxy.seen) == 2
+
+
+def test_the_buckets_durable_step_is_what_a_resume_from_it_reaches(s3, tmp_path):
+    """opt.shared_durable_step with a bucket as the shared tier (it raised AttributeError: the
+    bucket store had no durable_step), and a resume from the bucket alone reaches it."""
+    import torch
+
+    import recovery
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    url = f"s3://{s3.bucket}/durable"
+    model, opt = model_and_optimizer()
+    opt = lowdiff.wrap(opt, model, tmp_path / "local", full_every=4, batch_steps=2, tiers=lowdiff.Tiers(url))
+    for _ in range(10):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    assert opt.stats()["tiers"]["shared_durable_step"] == opt.shared_durable_step
+    opt.close()
+    assert opt.shared_durable_step == opt.durable_step == 10
+    shutil.rmtree(tmp_path / "local")
+    model, plain = model_and_optimizer()
+    assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url) == 10
