@@ -53,8 +53,9 @@ setup(
     install_requires=["torch>=2.2,<2.14", "numpy", "zstandard>=0.20"],
     # Frameworks for lowdiff.integrations (their tests skip without them); none of them pulls a torch.
     # s3: an object-store shared tier (lowdiff.tiers.bucket); its tests run a moto server process.
+    # matplotlib: experiments/plotting.py (its test draws real PNGs).
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "ruff>=0.17,<0.18", "mypy>=2.4,<2.5",
-                             "moto[server]>=5.1", "boto3>=1.36"],
+                             "moto[server]>=5.1", "boto3>=1.36", "matplotlib"],
                     "s3": ["boto3>=1.36"],
                     "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2", "torchdata>=0.8"]},
 )

@@ -488,6 +488,8 @@ def report(args) -> int:
                                 ("overhead_paired_median", statistics.median(measured["ratios"]) - 1),
                                 ("lowdiff_own_cpu_median", statistics.median(measured["attributed"]))):
                 writer.writerow([f"step_{model}_{name}", 2, "", value, "", "", "", ""])
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(args.csv))
     return 0
 
 

@@ -776,6 +776,8 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
         if stall_row is not None:
             w.writerow(stall_row)
     print(f"\nCSV: {args.csv}")
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(args.csv))
 
 
 # --------------------------------------------------------------------------- main

@@ -317,7 +317,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ratio", type=float, default=0.01, help="TopK ratio (0: Dense differentials)")
     parser.add_argument("--lengths", default="0,50,100,200", help="chain lengths for the scaling table")
     parser.add_argument("--dir", help="work directory on the disk to measure (default: a temp dir here)")
-    parser.add_argument("--csv", help="write the rows here")
+    parser.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "bench_recovery.csv"),
+                        help="write the rows here (and the figure next to it; default: experiments/results/)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the full-checkpoint load table")
     parser.add_argument("--resume-rounds", type=int, default=1,
                         help="rounds of the two resume rows (alternating order); each row is its median round")
@@ -355,7 +357,7 @@ def run(args, work: str) -> int:
     rows = []
     drop_caches()
     naive_s, steps_s = in_new_process("naive_recovery", naive_dir, args.model, args.chain)
-    rows.append({"method": "naive (torch.save/load)", "seconds": naive_s, "bytes": naive_bytes,
+    rows.append({"method": "naive (torch.save/load)", "chain": args.chain, "seconds": naive_s, "bytes": naive_bytes,
                  "opt_steps_s": round(steps_s, 3), "beyond_steps_s": round(naive_s - steps_s, 3)})
     resumes, default_rounds = resume_rows(directory, args, ckpt_bytes, bandwidths)
     rows += resumes
@@ -377,7 +379,8 @@ def run(args, work: str) -> int:
     paired = sorted(seconds / (ckpt_bytes / round_bandwidth + fastest_steps_s)
                     for seconds, round_bandwidth in default_rounds)
     bound = ckpt_bytes / bandwidth + fastest_steps_s
-    rows.append({"method": "lower bound (read at device bw + steps)", "seconds": bound, "bytes": ckpt_bytes})
+    rows.append({"method": "lower bound (read at device bw + steps)", "chain": args.chain, "seconds": bound,
+                 "bytes": ckpt_bytes})
     default = rows[2]["seconds"]
     for row in rows:
         row["vs resume"] = f"{row['seconds'] / default:.2f}x"
@@ -408,10 +411,13 @@ def run(args, work: str) -> int:
     rows += full_load_rows(directory, work, args.model, bandwidth, args.repeats, cache.startswith("page cache dropped"))
     rows += scaling_rows(directory, args)
     if args.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
             writer.writeheader()
             writer.writerows(rows)
+        import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+        print(plotting.try_draw(args.csv))
     return 0
 
 

@@ -227,6 +227,8 @@ def main(argv=None) -> int:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(args.csv))
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -468,6 +468,8 @@ def report(rows, copies, args, fs_type, loads) -> None:
         for size, name, gbps in copies:
             out.writerow([size, name, f"{gbps:.4f}", "", "", f"{gbps / copy_by_key[(size, MEMCPY)]:.4f}", ""])
     print(f"\nCSV: {args.csv}")
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(args.csv))
 
 
 if __name__ == "__main__":

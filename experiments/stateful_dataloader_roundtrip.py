@@ -159,6 +159,9 @@ def main() -> None:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(args.csv))
 
 
 if __name__ == "__main__":

@@ -397,26 +397,6 @@ def storage_table(runs: dict, rows: int) -> list[tuple]:
     return [(clean[i][0], clean[i][1] / 1e6, clean[i][2] / 1e6, keep[i][1] / 1e6, keep[i][2] / 1e6) for i in picks]
 
 
-def plot(runs: dict, path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for config, label in (("staged", "keep-last 2"), ("staged-keepall", "keep-all")):
-        samples = runs[config][0]["storage"]
-        ax.plot([s[0] for s in samples], [s[1] / 1e6 for s in samples], label=f"local, {label}")
-        ax.plot([s[0] for s in samples], [s[2] / 1e6 for s in samples], "--", label=f"shared, {label}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("checkpoint bytes (MB)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return f"plot: {path}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="storage_tiers.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -715,7 +695,9 @@ def write_csvs(rows: list[dict], runs: dict, saved: dict, args) -> None:
         for a, b in zip(clean, keep):
             w.writerow([a[0], a[1], a[2], b[1], b[2]])
     print(f"\nCSV: {args.csv}, {storage_csv}")
-    print(plot(runs, Path(args.csv).with_suffix(".png")))
+    import plotting  # experiments/plotting.py: the figures, drawn from the CSVs alone
+    print(plotting.try_draw(args.csv))   # stall per checkpoint per tier
+    print(plotting.try_draw(storage_csv))
 
 
 if __name__ == "__main__":

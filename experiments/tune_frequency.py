@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ from lowdiff.control.costmodel import (  # noqa: E402
     solve,
     young_daly_full_every,
 )
+from lowdiff.control.meter import CostMeter  # noqa: E402
 from lowdiff.control.policy import LEARNING_FULL_COSTS, PROBE_WARMUP, Measured, Policy  # noqa: E402
 from lowdiff.step.compress import decompress_into  # noqa: E402
 from lowdiff.store.inventory import take_inventory  # noqa: E402
@@ -465,10 +467,19 @@ def real_round(launcher: Launcher, settings_list: list[str], lives: list[float],
             record_ratio = float(np.median(ratio))
         except (OSError, ValueError, KeyError):
             restart_s = record_ratio = math.nan
+        # The costs the trainers measured in this very run (same load, same disk), for the scale
+        # model's validation (experiments/scale_model.py --validate).
+        meter = CostMeter()
+        try:
+            meter.load(directory)
+            in_run = meter.costs(not (chosen or settings).endswith("/off"))
+        except ValueError:
+            in_run = None
         shutil.rmtree(directory)
         rows.append({"settings": settings, "last_in_force": chosen or settings, "durable_steps": durable,
                      "wall_s": sum(lives), "kills": len(lives) - 1, "restart_s": restart_s,
-                     "record_ratio": record_ratio, "goodput_steps_per_s": durable / sum(lives)})
+                     "record_ratio": record_ratio, "goodput_steps_per_s": durable / sum(lives),
+                     "in_run_costs": json.dumps(dataclasses.asdict(in_run)) if in_run is not None else ""})
     return rows
 
 
@@ -487,6 +498,8 @@ def run_real(args, out_dir: str) -> list[dict]:
             rows.append({"round": r, "load_avg_1m": os.getloadavg()[0], **row})
         print(f"(round {r + 1} of {args.rounds} done, load average {os.getloadavg()[0]:.1f})", flush=True)
     _write_csv(os.path.join(out_dir, "tune_real.csv"), rows)
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(os.path.join(out_dir, "tune_real.csv")))
     print_real(rows, args)
     return rows
 
@@ -538,26 +551,6 @@ def _write_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _plot(rows: list[dict], out_dir: str) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plots)")
-        return
-    for profile in dict.fromkeys(r["profile"] for r in rows):
-        fig, ax = plt.subplots()
-        for b in GRID_B:
-            pts = sorted((r["full_every"], r["wasted_h"]) for r in rows
-                         if r["profile"] == profile and r["policy"] == "grid" and r["batch_steps"] == b)
-            ax.plot(*zip(*pts), marker=".", label=f"B={b}")
-        ctl = next(r for r in rows if r["profile"] == profile and r["policy"] == "controller")
-        ax.plot([ctl["full_every"]], [ctl["wasted_h"]], "k*", markersize=12, label="controller")
-        ax.set(xscale="log", xlabel="full_every", ylabel="wasted hours", title=profile)
-        ax.legend()
-        fig.savefig(os.path.join(out_dir, f"tune_{profile.replace('/', '_')}.png"))
-        plt.close(fig)
 
 
 def main() -> int:
@@ -631,7 +624,8 @@ def main() -> int:
           f"Young/Daly's interval too — it cannot beat it, and does not lose to it)")
     print("(controller: differentials='auto', may choose full checkpoints only, F/-; ctl-diffs: the controller "
           "keeping differentials; grid: F x B in " + str(GRID_B) + " and F/- without differentials)")
-    _plot(rows, args.out)
+    import plotting  # experiments/plotting.py: the figure, drawn from the CSV alone
+    print(plotting.try_draw(os.path.join(args.out, "tune_simulation.csv")))
     if not args.skip_real:
         _real_verdict(run_real(args, args.out))
     return 0

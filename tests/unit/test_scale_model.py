@@ -1,0 +1,131 @@
+"""The scale model's pieces (experiments/scale_model.py): a rank's share of the storage, the
+Young/Daly limit it reaches through the controller's cost model, the saturation accounting, and
+the per-day bookkeeping."""
+import dataclasses
+import json
+import math
+
+import pytest
+
+from experiments import scale_model as sm
+from lowdiff.control.costmodel import Limits, evaluate
+
+HOUR = 3600.0
+
+
+def cluster(**changes):
+    base = dict(name="test", gpus=1024, params=8e9, step_s=1.0, job_mtbf_s=10 * HOUR, shared_bytes_per_s=200e9,
+                restart_s=300.0)
+    return sm.Cluster(**{**base, **changes})
+
+
+def strategy(name):
+    return next(s for s in sm.STRATEGIES if s.name == name)
+
+
+def test_a_rank_writes_its_share_at_its_share_of_the_bandwidth():
+    c = cluster()
+    m = sm.Measured(topk_ratio=0.01, index_bytes=2.0)
+    dcp = sm.rank_costs(c, m, strategy("DCP-style async full"))
+    # 8e9 params x 14 bytes over 1024 ranks, each at 1/1024 of 200 GB/s: the state over the bandwidth.
+    assert dcp.full_bytes == pytest.approx(8e9 * 14 / 1024)
+    assert dcp.persist_s == pytest.approx(8e9 * 14 / 200e9)
+    assert dcp.load_s == pytest.approx(8e9 * 14 / 200e9)
+    assert dcp.diff_bytes_per_step == 0 and dcp.record_s == 0
+    sync = sm.rank_costs(c, m, strategy("sync full, Young/Daly"))
+    assert sync.persist_s == 0 and sync.stall_s == pytest.approx(dcp.stall_s + dcp.persist_s)
+    topk = sm.rank_costs(c, m, strategy("lowdiff TopK"))
+    assert topk.diff_bytes_per_step == pytest.approx(8e9 * 0.01 * (4 + 2) / 1024)
+    dense = sm.rank_costs(c, m, strategy("lowdiff Dense"))
+    assert dense.diff_bytes_per_step == pytest.approx(8e9 * 4 / 1024)
+    staged = sm.rank_costs(c, m, strategy("lowdiff TopK, staged"))
+    assert staged.write_bytes_per_s == pytest.approx(10e9 / 8)        # the node's disk, shared by 8 GPUs
+    # Durable only once drained: the local write and then the shared one.
+    assert staged.persist_s == pytest.approx(dcp.full_bytes / (10e9 / 8) + dcp.persist_s)
+
+
+def test_sync_full_checkpoints_reach_the_young_daly_limit():
+    # A checkpoint cost delta far below the MTBF M: the interval is sqrt(2 delta M) and the waste
+    # delta / T + (T / 2 + restart + load) / M to first order (Young 1974).
+    c = cluster(shared_bytes_per_s=1e12, snapshot_bytes_per_s=1e12, job_mtbf_s=100 * HOUR, step_s=0.5)
+    out = sm.assess(c, sm.Measured(), strategy("sync full, Young/Daly"))
+    costs = sm.rank_costs(c, sm.Measured(), strategy("sync full, Young/Daly"))
+    delta, mtbf = costs.stall_s, c.job_mtbf_s
+    interval = math.sqrt(2 * delta * mtbf)
+    assert out.full_every * c.step_s == pytest.approx(interval, rel=0.02)
+    waste = delta / interval + (interval / 2 + c.restart_s + costs.load_s) / mtbf
+    assert 1 - out.effective == pytest.approx(waste, rel=0.05)
+    assert out.wait_s == 0   # synchronous writes are the stall already: nothing waits on top
+
+
+def test_no_wait_while_the_storage_keeps_up():
+    c = cluster()
+    costs = sm.rank_costs(c, sm.Measured(), strategy("DCP-style async full"))
+    e = evaluate(costs, Limits(failure_rate_per_s=1 / c.job_mtbf_s), 100, None)
+    assert sm.saturation_wait_s(c, costs, e) == 0
+
+
+def test_saturation_is_charged_as_the_time_the_storage_needs_beyond_the_interval():
+    c = cluster(shared_bytes_per_s=20e9)
+    costs = sm.rank_costs(c, sm.Measured(), strategy("lowdiff Dense, staged"))
+    limits = Limits(failure_rate_per_s=1 / c.job_mtbf_s)
+    e = evaluate(costs, limits, 10, 1)
+    # Ten dense steps (32 GB each) and one full checkpoint (112 GB) at 20 GB/s: 21.6 s of the
+    # fabric per interval, against ten steps of the (locally paced) training.
+    fabric_s = (8e9 * 14 + 10 * 8e9 * 4) / 20e9
+    interval_s = 10 * sm.base_step_s(costs, e) + costs.stall_s
+    assert sm.saturation_wait_s(c, costs, e) == pytest.approx(fabric_s - interval_s)
+    settled, charged, wait = sm.settle(c, costs, limits, 10, 1)
+    assert wait == pytest.approx(fabric_s - interval_s, rel=1e-6)
+    assert charged.stall_s == pytest.approx(costs.stall_s + wait)
+    assert settled.waste > e.waste
+    # Once paced, the job uses the fabric fully and no more.
+    out = sm.assess(c, sm.Measured(), dataclasses.replace(strategy("lowdiff Dense, staged"), interval="controller"))
+    assert out.wait_s > 0 and out.fabric_busy == pytest.approx(1.0, rel=0.02)
+
+
+def test_full_only_settings_send_no_differentials():
+    # "auto" may turn differentials off: then neither the traffic nor the saturation counts them.
+    c = cluster(shared_bytes_per_s=20e9)
+    auto = sm.assess(c, sm.Measured(), strategy("lowdiff Dense, auto"))
+    dcp = sm.assess(c, sm.Measured(), strategy("DCP-style async full"))
+    assert auto.batch_steps is None
+    # Full checkpoints only: one state a full_every steps, steps at about the training's pace.
+    full_per_step = 8e9 * 14 / auto.full_every
+    assert auto.traffic_tb * 1e12 == pytest.approx(full_per_step * 86400 * auto.effective / c.step_s, rel=0.05)
+    assert auto.wait_s == 0 and auto.effective >= dcp.effective - 1e-9
+
+
+def test_a_day_adds_up():
+    c = cluster(job_mtbf_s=2 * HOUR)
+    for s in sm.STRATEGIES:
+        out = sm.assess(c, sm.Measured(), s)
+        day_h = 24 * out.effective + out.lost_h + out.recovery_h + out.stall_h
+        assert day_h == pytest.approx(24, rel=0.02), s.name
+        assert out.failures_per_day == pytest.approx(12, rel=0.01)
+
+
+def test_more_failures_or_less_bandwidth_never_help():
+    base = cluster()
+    for s in sm.STRATEGIES:
+        e = [sm.assess(dataclasses.replace(base, job_mtbf_s=m * HOUR), sm.Measured(), s).effective for m in (1, 4, 16)]
+        assert e[0] <= e[1] <= e[2], s.name
+        if s.interval == "checkfreq":
+            continue   # its own rule checkpoints more often the faster the storage: not an optimum
+        b = [sm.assess(dataclasses.replace(base, shared_bytes_per_s=w), sm.Measured(), s).effective
+             for w in (5e9, 50e9, 500e9)]
+        assert b[0] <= b[1] + 1e-9 <= b[2] + 2e-9, s.name
+
+
+def test_bad_inputs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="Cluster.gpus=0"):
+        cluster(gpus=0)
+    with pytest.raises(ValueError, match="sharding"):
+        cluster(sharding="zero")
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"controller": {}}))
+    with pytest.raises(ValueError, match=f"{path}: no measured costs"):
+        sm.measured_from_stats(str(path))
+    path.write_text(json.dumps({"controller": {"costs": {"step_s": 0.5, "record_s": 0.01, "batch_fixed_s": 0.004}}}))
+    m = sm.measured_from_stats(str(path))
+    assert m.record_frac == pytest.approx(0.02) and m.batch_fixed_s == pytest.approx(0.004)
