@@ -74,12 +74,20 @@ def candidates(program: fsmodel.Program, samples: int, seed: int):
 def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: int, check) -> Report:
     """Trace workload ``name`` under ``work_dir`` and check its crash states with ``check(root,
     required, state) -> checker.Outcome``. ``limit``: check at most that many states, drawn with
-    ``seed`` from all that were built (None: all)."""
+    ``seed`` from all that were built (None: all). The "partitioned" workload runs 2 ranks
+    (partitioned.py); the others one process (workload.py)."""
     root = os.path.join(work_dir, "root")
     os.makedirs(root)
     report = Report(name)
-    program = fsmodel.resolve([trace(os.path.join(HERE, "workload.py"), [name, root], root,
-                                     os.path.join(work_dir, "trace.pkl"))])
+    if name == "partitioned":
+        import partitioned
+
+        out = os.path.join(work_dir, "run")
+        partitioned.launch(root, out, traced=True)
+        program = fsmodel.resolve([tracer.load(f"{out}-{rank}.pkl") for rank in range(2)])
+    else:
+        program = fsmodel.resolve([trace(os.path.join(HERE, "workload.py"), [name, root], root,
+                                         os.path.join(work_dir, "trace.pkl"))])
     check_complete(program, root)
     report.ops, report.points = len(program.ops), len(program.barriers())
     built = list(candidates(program, samples, seed))
