@@ -56,7 +56,8 @@ def check_complete(program: fsmodel.Program, root: str) -> None:
     replayed = fsmodel.build(program, end, end.total_meta, {i: None for i in end.pending_data}, "replay")
     real = fsmodel.snapshot(root)
     if replayed.key() != real.key():
-        raise AssertionError(f"the trace is incomplete: replayed {sorted(replayed.files)}, on disk {sorted(real.files)}")
+        raise AssertionError(f"the trace is incomplete: replayed {sorted(replayed.files)}, "
+                             f"on disk {sorted(real.files)}")
 
 
 def candidates(program: fsmodel.Program, samples: int, seed: int):
@@ -109,8 +110,9 @@ def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: 
             report.checked += 1
             report.outcomes[outcome.kind] += 1
             if outcome.kind != "exact":
-                report.failures.append(f"{name} crash point {point} ({program.ops[point][0] if point < len(program.ops) else 'end'}"
-                                       f", durable {required}), {state.how}: {outcome.detail}")
+                barrier = program.ops[point][0] if point < len(program.ops) else "end"
+                report.failures.append(f"{name} crash point {point} ({barrier}, durable {required}), "
+                                       f"{state.how}: {outcome.detail}")
     finally:
         torch.set_num_threads(threads)
         log.setLevel(level)

@@ -270,7 +270,7 @@ def materialize(state: State, root: str) -> None:
 def snapshot(root: str) -> State:
     """The state a directory really holds (to check a trace's completeness against)."""
     files, dirs = {}, {""}
-    for top, subdirs, names in os.walk(root):
+    for top, _subdirs, names in os.walk(root):
         rel = os.path.relpath(top, root)
         rel = "" if rel == "." else rel
         dirs.add(rel)
