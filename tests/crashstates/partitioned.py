@@ -50,13 +50,17 @@ def launch(root: str, out: str, *, traced: bool, steps: int = STEPS) -> None:
 
 
 def resumed_shared(root: str) -> tuple[int, str]:
-    """(step, digest of parameters and optimizer state) of a 1-process resume."""
+    """(step, digest of parameters and optimizer state) of a 1-process resume of ``root``/ckpt."""
+    return resumed_shared_at(os.path.join(root, "ckpt"))
+
+
+def resumed_shared_at(directory: str) -> tuple[int, str]:
     torch.manual_seed(0)
     model = partition_worker.Net(unused=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)   # as the worker's
     np.random.seed(4321)
-    step = recovery.resume(os.path.join(root, "ckpt"), model, opt, scheduler=sched)
+    step = recovery.resume(directory, model, opt, scheduler=sched)
     return int(step), partition_worker.shared_digest(model, opt)
 
 
