@@ -55,11 +55,11 @@ def damage(directory: str, mode: str, rng) -> str:
         if len(same) < 2:
             same = files
         a, b = (same[i] for i in rng.choice(len(same), size=2, replace=False))
-        data_a, data_b = open(a, "rb").read(), open(b, "rb").read()
+        data_a, data_b = _read(a), _read(b)
         if data_a == data_b:
             return damage(directory, "flip", rng)
-        open(a, "wb").write(data_b)
-        open(b, "wb").write(data_a)
+        _write(a, data_b)
+        _write(b, data_a)
         return f"swapped {os.path.relpath(a, directory)} and {os.path.relpath(b, directory)}"
     path = files[int(rng.integers(len(files)))]
     size = os.path.getsize(path)
@@ -74,6 +74,16 @@ def damage(directory: str, mode: str, rng) -> str:
     offset = int(rng.integers(size))
     os.truncate(path, offset)
     return f"{os.path.relpath(path, directory)} truncated to {offset} of {size} bytes"
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def verify(directory: str) -> tuple[int, str]:
