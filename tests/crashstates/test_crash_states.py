@@ -28,7 +28,7 @@ import workload  # noqa: E402
 from lowdiff_helpers import build, reference_digests, train_steps, wrap  # noqa: E402
 
 SAMPLES = 4          # random states per crash point, besides the prefixes of directory operations
-CI_STATES = 16       # states checked per single-process workload in CI (the campaign checks all)
+CI_STATES = 12       # states checked per single-process workload in CI (the campaign checks all)
 CI_PARTITIONED = 24  # states of the partitioned workload (resumed in one process)
 CI_LATER = 1         # of which this many get a later 2-rank session
 
