@@ -67,7 +67,7 @@ def test_torchrun_restarts_after_a_sigkill_at_a_random_crash_point(tmp_path, rng
 
 @pytest.mark.parametrize("tier", ["local", "shared"])
 def test_full_disk_on_ext4_with_o_direct(tmp_path, rng, tier):
-    free_kib = int(rng.integers(120, 400))
+    free_kib = int(rng.integers(100, 250))
     try:
         problems = fulldisk.run_full_disk(str(tmp_path), tier, free_kib, reference_digests(fulldisk.MAX_STEPS))
     except OSError as exc:
