@@ -60,23 +60,24 @@ def check_complete(program: fsmodel.Program, root: str) -> None:
                              f"on disk {sorted(real.files)}")
 
 
-def candidates(program: fsmodel.Program, samples: int, seed: int):
+def candidates(program: fsmodel.Program, samples: int, seed: int, model: str = "journal"):
     """(crash point, state) for every crash point, each state unique by content across points."""
     rng = np.random.default_rng(seed)
     seen: set = set()
     for point in program.barriers():
-        for state in fsmodel.states(program, point, rng, samples):
+        for state in fsmodel.states(program, point, rng, samples, model):
             key = state.key()
             if key not in seen:
                 seen.add(key)
                 yield point, state
 
 
-def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: int, check) -> Report:
+def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: int, check,
+            model: str = "journal") -> Report:
     """Trace workload ``name`` under ``work_dir`` and check its crash states with ``check(root,
     required, state) -> checker.Outcome``. ``limit``: check at most that many states, drawn with
-    ``seed`` from all that were built (None: all). The "partitioned" workload runs 2 ranks
-    (partitioned.py); the others one process (workload.py)."""
+    ``seed`` from all that were built (None: all); ``model``: fsmodel's persistence model. The
+    "partitioned" workload runs 2 ranks (partitioned.py); the others one process (workload.py)."""
     root = os.path.join(work_dir, "root")
     os.makedirs(root)
     report = Report(name)
@@ -91,7 +92,7 @@ def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: 
                                          os.path.join(work_dir, "trace.pkl"))])
     check_complete(program, root)
     report.ops, report.points = len(program.ops), len(program.barriers())
-    built = list(candidates(program, samples, seed))
+    built = list(candidates(program, samples, seed, model))
     report.built = len(built)
     chosen = built
     if limit is not None and limit < len(built):

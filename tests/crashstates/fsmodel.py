@@ -12,6 +12,11 @@ CrashMonkey model a journaling file system such as ext4 or xfs:
   An fsync of a file is not counted as making directory operations durable (ext4 does, POSIX does
   not promise it): the states built here are a superset of what ext4 can leave.
 
+``model="per-directory"`` weakens the second rule for file systems without one ordered journal:
+each directory's operations keep their order, but directories are independent (a crash may keep
+a later operation in one directory and lose an earlier one in another); an operation inside a
+directory whose creation was lost is lost with it. Only sampled states are built in that model.
+
 A crash point is the moment just before a barrier (an fsync or fdatasync), or the end of the trace:
 every op before it has been issued. ``states(program, point, rng, samples)`` yields the crash states of one
 point: each prefix of the directory operations not yet durable with none or all of the pending data,
@@ -121,6 +126,7 @@ class Durability:
     pending_data: tuple
     durable_meta: int
     total_meta: int
+    by_dir: dict = dataclasses.field(default_factory=dict)   # directory -> (durable, [meta positions])
 
 
 def durability(program: Program, point: int) -> Durability:
@@ -133,14 +139,19 @@ def durability(program: Program, point: int) -> Durability:
         elif op[0] == "fsync_dir":
             dir_synced[op[1]] = i
     durable, pending, meta_count, durable_meta = set(), [], 0, 0
+    by_dir: dict = {}
     for i, op in enumerate(ops):
         if op[0] in DATA:
             (durable.add(i) if synced_after.get(op[1], -1) > i else pending.append(i))
         elif op[0] in META:
+            own = by_dir.setdefault(_changed_dirs(op)[-1], [0, []])
+            own[1].append(meta_count)
             meta_count += 1
             if any(dir_synced.get(d, -1) > i for d in _changed_dirs(op)):
                 durable_meta = meta_count
-    return Durability(point, frozenset(durable), tuple(pending), durable_meta, meta_count)
+                own[0] = len(own[1])
+    return Durability(point, frozenset(durable), tuple(pending), durable_meta, meta_count,
+                      {d: (n, positions) for d, (n, positions) in by_dir.items()})
 
 
 @dataclasses.dataclass
@@ -159,9 +170,11 @@ class State:
         return h.hexdigest()
 
 
-def build(program: Program, d: Durability, meta_prefix: int, chosen: dict, how: str) -> State:
-    """The state with the first ``meta_prefix`` directory ops, the durable data ops and the pending
-    ones in ``chosen`` (index -> None for all of it, or a set of sector numbers)."""
+def build(program: Program, d: Durability, meta_prefix, chosen: dict, how: str) -> State:
+    """The state with the first ``meta_prefix`` directory ops (or those whose positions are in
+    the set ``meta_prefix``), the durable data ops and the pending ones in ``chosen`` (index ->
+    None for all of it, or a set of sector numbers)."""
+    kept = range(meta_prefix) if isinstance(meta_prefix, int) else meta_prefix
     data: dict = {}
     names: dict = {}
     dirs = {""}
@@ -170,7 +183,9 @@ def build(program: Program, d: Durability, meta_prefix: int, chosen: dict, how: 
         kind = op[0]
         if kind in META:
             meta += 1
-            if meta > meta_prefix:
+            if meta - 1 not in kept or parent(op[-1] if kind != "create" else op[1]) not in dirs:
+                continue
+            if kind == "rename" and op[1] not in names:
                 continue
             if kind == "create":
                 names[op[1]] = op[2]
@@ -178,7 +193,7 @@ def build(program: Program, d: Durability, meta_prefix: int, chosen: dict, how: 
             elif kind == "rename":
                 names[op[2]] = names.pop(op[1])
             elif kind == "unlink":
-                names.pop(op[1])
+                names.pop(op[1], None)
             elif kind == "mkdir":
                 dirs.add(op[1])
             else:
@@ -215,9 +230,12 @@ def sectors_of(op) -> range:
     return range(op[2] // SECTOR_BYTES, -(-(op[2] + len(op[3])) // SECTOR_BYTES))
 
 
-def states(program: Program, point: int, rng, samples: int):
+def states(program: Program, point: int, rng, samples: int, model: str = "journal"):
     """The crash states of one crash point (see the module docstring), unique by content."""
     d = durability(program, point)
+    if model == "per-directory":
+        yield from _per_directory(program, d, rng, samples)
+        return
     seen: set = set()
     everything = {i: None for i in d.pending_data}
 
@@ -250,6 +268,20 @@ def states(program: Program, point: int, rng, samples: int):
                             f"sample {n}: {prefix}/{d.total_meta} dir ops, {len(chosen)}/{len(d.pending_data)} "
                             f"pending writes ({torn} torn)"))
         if state is not None:
+            yield state
+
+
+def _per_directory(program: Program, d: Durability, rng, samples: int):
+    seen: set = set()
+    for n in range(samples):
+        kept: set = set()
+        for durable, positions in d.by_dir.values():
+            kept.update(positions[:int(rng.integers(durable, len(positions) + 1))])
+        chosen = {i: None for i in d.pending_data if rng.random() < 0.5}
+        state = build(program, d, kept, chosen, f"per-directory sample {n}: {len(kept)}/{d.total_meta} dir ops, "
+                                                f"{len(chosen)}/{len(d.pending_data)} pending writes")
+        if state.key() not in seen:
+            seen.add(state.key())
             yield state
 
 
