@@ -151,10 +151,10 @@ def torchrun_kill(work: str, mode: str, phase: str, count: int, rank: int, refer
         _, stderr = agent.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(agent.pid, signal.SIGKILL)
-        kill.problems.append(f"{kill.where}: torchrun hung: {agent.communicate()[1][-3000:]}")
+        kill.problems.append(f"{kill.where}: torchrun hung: {agent.communicate()[1][-20000:]}")
         return kill
     if agent.returncode != 0:
-        kill.problems.append(f"{kill.where}: torchrun failed ({agent.returncode}): {stderr[-3000:]}")
+        kill.problems.append(f"{kill.where}: torchrun failed ({agent.returncode}): {stderr[-20000:]}")
         return kill
     runs = [_attempts(os.path.join(work, f"run-{r}.txt")) for r in range(2)]
     kill.killed = len(runs[0]) == 2

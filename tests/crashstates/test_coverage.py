@@ -73,3 +73,15 @@ def test_full_disk_on_ext4_with_o_direct(tmp_path, rng, tier):
     except OSError as exc:
         pytest.skip(f"no ext4 on a loop device here: {exc}")
     assert not problems, "\n".join(problems)
+
+
+def test_torchrun_with_tiers_restarts_after_rank_0_died_before_committing(tmp_path):
+    """Regression (found by campaign.py): rank 0 SIGKILLed at its first record, before it
+    committed anything, while rank 1 committed and drained its shares. On the restart every rank
+    took rank 0's fresh run, and rank 1 refused its own shared tier ('the shared tier belongs to
+    another training run'), so torchrun's restart failed. The run of the lowest rank with files is
+    now every rank's."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "run").mkdir()
+    reference = kills.ddp_reference(str(tmp_path / "ref"), "topk")
+    _checked(kills.torchrun_kill(str(tmp_path / "run"), "tiers", "record", 1, 0, reference))
