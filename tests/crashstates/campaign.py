@@ -7,7 +7,8 @@ states) plus every failure found:
 * power loss: every crash state the explorer builds for the full-checkpoint, batch-commit,
   retention, tier-drain and partitioned-set workloads (fsmodel.py; ``--samples`` random states per
   crash point besides the directory-operation prefixes), each resumed and checked, with later
-  sessions (for the partitioned workload on ``--partitioned-later`` of them);
+  sessions (for the partitioned workload on ``--partitioned-later`` of them); then sampled states
+  of the multi-directory workloads in the weaker per-directory model;
 * SIGKILL: ``--auto-kills`` runs with "auto" settings killed at random crash points,
   ``--torchrun-kills`` torchrun restarts each of DDP with tiers and DDP in replica mode;
 * damage: ``--damage`` swap/flip/truncate cases each on a TopK directory and on partitioned shares;
@@ -41,7 +42,9 @@ def power_loss(args, rows, failures, base) -> None:
     import workload
     from lowdiff_helpers import reference_digests
 
-    for name in args.workloads:
+    runs = [(name, "journal") for name in args.workloads] + \
+        [(name, "per-directory") for name in args.per_directory if args.per_directory_samples]
+    for name, model in runs:
         work_dir = tempfile.mkdtemp(dir=base)
         if name == "partitioned":
             reference: dict = {}
@@ -58,12 +61,15 @@ def power_loss(args, rows, failures, base) -> None:
 
             def check(root, required, state, work=work, ref=ref):
                 return checker.check(work, root, required, ref)
-        report = explore.explore(name, work_dir, samples=args.samples, limit=None, seed=args.seed, check=check)
-        print(report.line(), flush=True)
+        samples = args.samples if model == "journal" else args.per_directory_samples
+        report = explore.explore(name, work_dir, samples=samples, limit=None, seed=args.seed, check=check,
+                                 model=model)
+        print(f"[{model}] {report.line()}", flush=True)
         o = report.outcomes
-        rows[f"power loss: {name}"] = {"crash states": report.checked, "resumes checked": report.checked,
-                                       "exact": o["exact"], "below durable": o["below"], "wrong states": o["wrong"],
-                                       "other failures": o["error"] + o["later"]}
+        label = f"power loss: {name}" + ("" if model == "journal" else " (per-dir)")
+        rows[label] = {"crash states": report.checked, "resumes checked": report.checked, "exact": o["exact"],
+                       "below durable": o["below"], "wrong states": o["wrong"],
+                       "other failures": o["error"] + o["later"]}
         failures += report.failures
         shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -162,6 +168,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="*", default=["full", "batch", "retention", "tier", "partitioned"])
     p.add_argument("--samples", type=int, default=6, help="random crash states per crash point")
+    p.add_argument("--per-directory", nargs="*", default=["tier", "partitioned"],
+                   help="workloads also explored in fsmodel's per-directory persistence model")
+    p.add_argument("--per-directory-samples", type=int, default=4)
     p.add_argument("--partitioned-later", type=int, default=4, help="partitioned states given a 2-rank later session")
     p.add_argument("--auto-kills", type=int, default=10)
     p.add_argument("--torchrun-kills", type=int, default=3)
