@@ -19,6 +19,10 @@ With storage tiers (lowdiff.tiers.policy), the drainer copying committed files t
 ``drain-commit``    the copy is committed under its name; the shared manifest does not list it yet
 ``clean``           between two deletions of files the shared tier's committed manifest dropped
 
+With ``full_every``/``batch_steps`` "auto" (lowdiff.control.controlstate):
+
+``controller-write`` a new CONTROLLER.json is written and synced under its temporary name, not yet replaced
+
 In a partitioned directory resumed with fewer ranks (lowdiff.distributed.shareretention):
 
 ``dropped-clean``   between two deletions of a dropped rank's files its committed manifest dropped
@@ -37,15 +41,16 @@ PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", 
 # list of phases (which tests crash at, one by one) stays as it is.
 TIER_PHASES = ("drain-write", "drain-commit", "clean")
 PARTITION_PHASES = ("dropped-clean",)
+CONTROL_PHASES = ("controller-write",)
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
     if not spec:
         return None
     phase, _, count = spec.partition(":")
-    if phase not in PHASES + TIER_PHASES + PARTITION_PHASES or not count.isdigit() or int(count) < 1:
+    if phase not in PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES or not count.isdigit() or int(count) < 1:
         raise ValueError(f"LOWDIFF_FAULT={spec!r}: expected PHASE:N with PHASE one of "
-                         f"{', '.join(PHASES + TIER_PHASES + PARTITION_PHASES)} and N >= 1")
+                         f"{', '.join(PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES)} and N >= 1")
     return phase, int(count)
 
 

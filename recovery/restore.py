@@ -121,6 +121,16 @@ def _plan_once(directory: str, check_full, stop_step: int | None) -> Plan | None
         if chain is not None:
             return Plan("directory", directory, stop_step, tuple(candidates[position:]), manifest.durable_step(),
                         tuple(skipped), tuple(chain), inventory)
+    if not (skipped or manifest.fulls or inventory.missing or inventory.superseded or inventory.ignored) \
+            and stop_step is None:
+        if manifest.batches:
+            # No full checkpoint was ever listed or found, none is missing or damaged: the run
+            # stopped (a crash, a power loss) before its first full checkpoint was renamed into
+            # place, while the batch writer had committed differentials that need it. Nothing of
+            # it was durable: there is nothing to resume (and nothing lost).
+            warn(f"lowdiff: {directory} holds differential batches but no full checkpoint was ever committed "
+                 f"(the run stopped before its first one): nothing to resume, training starts at step 0")
+        return None
     if skipped or manifest.batches:
         raise _none_verifies(directory, stop_step, skipped)
     return None

@@ -12,9 +12,10 @@ from lowdiff.distributed.ddp import distributed_rank
 from lowdiff.distributed.dtensors import grad_targets, local_chunk
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError
+from lowdiff.format.container import KIND_DIFF_SHARE, KIND_FULL_SHARE, file_kind
 from lowdiff.format.fullckpt import live_targets
 from lowdiff.step import boundary as capture
-from lowdiff.store.rankdirs import rank_directory
+from lowdiff.store.rankdirs import rank_directories, rank_directory
 from lowdiff.train.config import Scheduler, Stateful
 from recovery.compat import check_compatible
 from recovery.execute import Restored
@@ -38,6 +39,8 @@ def restore_grad_scaler(scaler, stored) -> None:
                                  state["growth_interval"])
         state["scale"], state["_growth_tracker"] = scale.item(), int(tracker.item())
     scaler.load_state_dict(state)
+
+SHARE_KINDS = (KIND_FULL_SHARE, KIND_DIFF_SHARE)
 
 
 def apply_boundary(boundary, model, scheduler, extra_state: dict, grad_scaler, where: str) -> None:
@@ -262,11 +265,25 @@ def _restore_any_layout(directory: str, targets: _Targets, step: int | None, wor
             return restored, own
     restored = _restore_agreed(directory, targets, world, step, workers)
     if restored is None and world > 1 and is_partitioned(directory):
+        if _agree(int(_holds_shares(directory)))[1]:
+            # Shares but no complete set (a power loss during the first set's commit: one rank's
+            # share renamed in, another's not): nothing to restore; the rank directories are not
+            # whole checkpoints of the layout before partitioning, whose files would not verify.
+            return None, True
         return _restore_agreed(rank_directory(directory, rank), targets, world, step, workers), True
     if restored is not None and world > 1 and rank == 0:
         warn(f"lowdiff: {directory} was written by a single process: every rank resumes its state, including "
              f"its RNG and extra_state")
     return restored, True
+
+
+def _holds_shares(directory: str) -> bool:
+    """Whether any rank directory this rank sees holds a share (a partitioned run wrote it)."""
+    for path in rank_directories(directory).values():
+        for name in os.listdir(path):
+            if name.startswith(("full-", "diff-")) and file_kind(os.path.join(path, name)) in SHARE_KINDS:
+                return True
+    return False
 
 
 def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | None, workers: int | None):

@@ -41,4 +41,4 @@ def read_state(directory: str) -> tuple[dict[str, list[float]], dict] | None:
 def write_state(directory: str, samples: dict[str, list[float]], settings: dict) -> None:
     """Replace ``directory``'s CONTROLLER.json atomically (removing temporaries of dead writers)."""
     write_json_file(os.path.join(directory, CONTROLLER_NAME), ControllerState.of(samples, settings).to_json(),
-                    is_dead_temp=is_dead_temp)
+                    is_dead_temp=is_dead_temp, fault="controller-write")

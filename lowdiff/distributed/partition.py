@@ -264,15 +264,20 @@ class Partition:
         """The staging snapshot of this rank's full-checkpoint shares."""
         return ShareSnapshot(self.rank, self.world)
 
-    def join(self, store) -> None:
-        """Collective, once at wrap: every rank takes rank 0's session and run, so the shares of a
-        set carry one session and one run."""
+    def join(self, store, anchored: bool | None = None) -> None:
+        """Collective, once at wrap: every rank takes rank 0's session, and the run of the lowest
+        rank whose run is ``anchored`` in files (default: its store lists some), so the shares of a
+        set carry one session and one run. (Rank 0 may have committed nothing before a crash while
+        other ranks did: a fresh run of rank 0 would disown their files and their shared tier.)"""
         import torch.distributed as dist
 
         if self.world > 1:
-            agreed = [(store.session, store.run)]
-            dist.broadcast_object_list(agreed, src=0)
-            store.session, store.run = agreed[0]
+            if anchored is None:
+                anchored = bool(store.manifest.files())
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, (store.session, store.run, anchored))
+            store.session = gathered[0][0]
+            store.run = next((run for _, run, known in gathered if known), gathered[0][1])
         self.session = store.session
 
     # ------------------------------------------------------------ retention

@@ -43,7 +43,7 @@ class CheckpointStore:
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise NotADirectoryError(f"{self.directory} is a file, not a checkpoint directory")
-        os.makedirs(self.directory, exist_ok=True)
+        make_durable_directory(self.directory)
         self.policy = policy
         self.pinned = pinned
         self._complete = complete
@@ -208,3 +208,22 @@ def lock_holder(directory: str) -> str | None:
     except PermissionError:
         pass
     return text
+
+
+def make_durable_directory(path: str) -> None:
+    """Create ``path`` and its missing parents, each made durable by an fsync of the directory that
+    holds it: POSIX makes a new directory entry durable only through its parent, and a power loss
+    could otherwise drop a directory whose files were all synced (a rank directory of a
+    partitioned run, found by the crash-state explorer under tests/crashstates/)."""
+    missing = []
+    probe = path
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    os.makedirs(path, exist_ok=True)
+    for created in reversed(missing):
+        fd = os.open(os.path.dirname(created), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -317,7 +317,7 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
             if partition is not None:
                 # Every rank takes rank 0's session and run (each tier of each rank already agreed
                 # with the other tier, so this changes only the run of ranks whose tiers are new).
-                partition.join(local)
+                partition.join(local, anchored=bool(local.manifest.files() or shared.manifest.files()))
                 if shared.manifest.files() and shared.run != local.run:
                     refuse_runs(local, shared)
                 shared.run = local.run

@@ -153,6 +153,7 @@ def main():
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--flush", action="store_true", help="flush after every step")
     p.add_argument("--replica", action="store_true", help="replica mode (LowDiff+; with --compressor dense)")
+    p.add_argument("--shared-dir", help="storage tiers: stage the checkpoints to this shared directory")
     p.add_argument("--resume-only", action="store_true", help="resume, write the digest line, stop")
     p.add_argument("--resume-step", type=int, help="resume the wrapped optimizer at this step (time travel), "
                                                    "then train on")
@@ -184,6 +185,8 @@ def main():
         return
     when = {"schedule": lowdiff.Replica(full_every=args.full_every, batch_steps=args.batch_steps)} if args.replica \
         else {"full_every": args.full_every, "batch_steps": args.batch_steps}
+    if args.shared_dir:
+        when["tiers"] = lowdiff.Tiers(args.shared_dir)
     opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), scheduler=sched,
                        extra_state={"sampler": sampler}, **when)
     start = recovery.resume(args.dir, ddp, opt, step=args.resume_step)
