@@ -122,7 +122,7 @@ def test_a_failed_multipart_upload_is_aborted(s3, tmp_path):
 
 
 @pytest.mark.parametrize("problem", ["missing bucket", "wrong endpoint"])
-def test_a_bucket_that_cannot_be_used_fails_at_close_and_the_local_tier_keeps_working(
+def test_a_bucket_that_cannot_be_used_fails_at_the_first_step_and_the_local_tier_keeps_working(
         s3, tmp_path, monkeypatch, reference, problem):
     from lowdiff.tiers.objectstore import ObjectStoreError
 
