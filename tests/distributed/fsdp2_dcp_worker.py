@@ -18,9 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 sys.path.insert(0, os.path.dirname(__file__))
+from fsdp2_worker import build, digest, gathered  # noqa: E402
+
 import lowdiff  # noqa: E402
 import recovery  # noqa: E402
-from fsdp2_worker import build, digest, gathered  # noqa: E402
 
 
 def load_dcp(model, opt, checkpoint: str) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from partition_runs import free_port  # noqa: E402
-from test_fsdp2_resume import WORKER, digests, launch, ok  # noqa: E402
+from test_fsdp2_resume import digests, launch, ok  # noqa: E402
 
 DCP_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_dcp_worker.py")
 STEPS, K = 10, 5
