@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -33,6 +34,8 @@ def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *,
     "scheduler", "extra", "rng"}``; "dcp": a torch.distributed.checkpoint directory (see _save_dcp)."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: one of {', '.join(FORMATS)}")
+    if format == "dcp" and os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(f"{os.fspath(output)}: exists and is not a directory (a DCP export writes a directory)")
     directory = checkpoint_directory(directory)
     holder: dict = {}
 
@@ -103,8 +106,11 @@ def _save_dcp(output, model_state: dict, optimizer, names: dict, step: int) -> N
                 if key != "params":
                     state[f"param_groups.{fqn}.{key}"] = value
     state["lowdiff.step"] = step
-    # no_dist: one process, no process group (DCP would otherwise warn and guess the same).
-    dcp.save(state, checkpoint_id=os.fspath(output), no_dist=True)
+    # no_dist: this one process writes everything, even inside a job with a process group; DCP warns
+    # that it assumes so whenever no_dist holds, which here is the intent, not a problem.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state, checkpoint_id=os.fspath(output), no_dist=True)
 
 
 def _own_storage(node):

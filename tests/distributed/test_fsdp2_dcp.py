@@ -83,3 +83,50 @@ def test_a_lowdiff_run_started_from_dcp_continues_from_it_exactly(tmp_path, expo
         assert resumed[0][0] == "loaded" and int(resumed[0][1]) > K   # resumed past the DCP state
         assert resumed[1:] and dict(resumed[1:]) == {s: expected[s] for s, _ in resumed[1:]}
         assert resumed[-1][0] == str(STEPS)
+
+
+def test_an_unsharded_run_exports_to_dcp_in_process(tmp_path):
+    """Without FSDP (one process, no process group, called in-process as recovery.export): the DCP
+    directory holds exactly get_state_dict's flattened keys and values at the step asked for, past
+    the full checkpoint (replayed), and exporting raises no warning (DCP warns on every no_dist save)."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import lowdiff
+    import recovery
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, inner = build()
+    opt = lowdiff.wrap(inner, model, str(tmp_path / "ckpt"), compressor=lowdiff.Dense(), full_every=3, batch_steps=1)
+    states = {}
+    for step in range(1, 7):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, inner, options=options)
+        states[step] = copy.deepcopy({**model_sd, **optim_sd})
+    opt.close()
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="file: exists and is not a directory"):
+        recovery.export(str(tmp_path / "ckpt"), str(tmp_path / "file"), step=4, format="dcp")
+    assert recovery.export(str(tmp_path / "ckpt"), str(tmp_path / "out"), step=4, format="dcp") == 4
+    model, inner = build()
+    model_sd, optim_sd = get_state_dict(model, inner, options=options)
+    loaded = {**model_sd, **optim_sd, "lowdiff.step": 0}
+    with warnings.catch_warnings():   # the loader's own no_dist warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    assert set(dcp.FileSystemReader(str(tmp_path / "out")).read_metadata().state_dict_metadata) == set(loaded)
+    assert loaded.pop("lowdiff.step") == 4 and set(loaded) == set(states[4])
+    for key, want in states[4].items():
+        got = loaded[key]
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, key
