@@ -164,7 +164,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from recovery import export
 
     with _fetched(args.directory) as (directory, _):
-        step = export(directory, args.output, step=args.step)
+        step = export(directory, args.output, step=args.step, format=args.format)
     print(f"exported step {step} to {args.output}")
     return 0
 
@@ -278,10 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("verify", help="read every file and check every checksum")
     p.add_argument("directory")
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("export", help="write the state of a step as a plain torch.save file")
+    p = sub.add_parser("export", help="write the state of a step as a plain torch.save file or a DCP directory")
     p.add_argument("directory")
     p.add_argument("--step", type=int)
     p.add_argument("-o", "--output", required=True)
+    p.add_argument("--format", choices=["torch", "dcp"], default="torch",
+                   help="torch: one torch.save file (default); dcp: a torch.distributed.checkpoint directory")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("tune", help="recommend full_every/batch_steps from measured costs and a failure rate")
     p.add_argument("directory", nargs="?", help="a checkpoint directory: the costs its runs measured (CONTROLLER.json)")

@@ -1,0 +1,132 @@
+"""DCP interop (issue #31, item 5): ``python -m lowdiff export --format dcp`` writes a
+torch.distributed.checkpoint directory that a fresh FSDP2 model and optimizer load with
+get_state_dict / dcp.load / set_state_dict at any world size, equal byte for byte (gathered) to the
+uninterrupted run at that step; and a lowdiff run started from such a checkpoint continues from it
+exactly, through a SIGKILL and lowdiff's own resume. Before, ``export`` had no ``--format``."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from partition_runs import free_port  # noqa: E402
+from test_fsdp2_resume import digests, launch, ok  # noqa: E402
+
+DCP_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_dcp_worker.py")
+STEPS, K = 10, 5
+
+
+def launch_dcp(checkpoint, out, world, *extra):
+    """``world`` ranks of fsdp2_dcp_worker.py; (return code, stderr) by rank."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, DCP_WORKER, "--rank", str(rank), "--world", str(world), "--port",
+                               str(port), "--steps", str(STEPS), "--dcp", str(checkpoint), "--digests",
+                               f"{out}-{rank}.txt", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for rank in range(world)]
+    results = []
+    for p in procs:
+        try:
+            results.append((p.wait(timeout=180), p.communicate()[1]))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            results.append((p.wait(), "timed out"))
+    return results
+
+
+def lines(path):
+    with open(path) as f:
+        return [line.split() for line in f]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A 2-rank FSDP2 run of fsdp2_worker.py (Dense, AdamW), its gathered digests by step, and its
+    step K exported to DCP by the CLI."""
+    base = tmp_path_factory.mktemp("dcp")
+    ok(launch(base / "run", base / "ref", 2))
+    out = base / "exported"
+    result = subprocess.run([sys.executable, "-m", "lowdiff", "export", str(base / "run"), "--step", str(K),
+                             "--format", "dcp", "-o", str(out)], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert f"exported step {K}" in result.stdout
+    return digests(base / "ref-0.txt", column=-2)[1], out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_load_at_any_world_size_equals_the_run_at_that_step(tmp_path, exported, world):
+    reference, checkpoint = exported
+    ok(launch_dcp(checkpoint, tmp_path / "load", world, "--load-only"))
+    for rank in range(world):
+        (loaded,) = lines(tmp_path / f"load-{rank}.txt")
+        assert loaded == ["loaded", str(K), reference[K]], rank
+
+
+def test_a_lowdiff_run_started_from_dcp_continues_from_it_exactly(tmp_path, exported):
+    """The guide's recipe (load DCP before lowdiff.wrap): the run is the same as one without lowdiff
+    from the same checkpoint, step by step, also after every rank is SIGKILLed after step K + 3
+    and lowdiff resumes it from its own directory (which counts steps from the DCP state)."""
+    reference, checkpoint = exported
+    ok(launch_dcp(checkpoint, tmp_path / "plain", 2))
+    crashed = launch_dcp(checkpoint, tmp_path / "run", 2, "--lowdiff", str(tmp_path / "ckpt"), "--crash-at",
+                         str(K + 3))
+    assert [code for code, _ in crashed] == [-9, -9], crashed
+    ok(launch_dcp(checkpoint, tmp_path / "res", 2, "--lowdiff", str(tmp_path / "ckpt")))
+    for rank in range(2):
+        plain = lines(tmp_path / f"plain-{rank}.txt")
+        assert plain[0] == ["loaded", str(K), reference[K]] and [int(s) for s, _ in plain[1:]] == \
+            list(range(K + 1, STEPS + 1))
+        expected = dict(plain[1:])
+        run = lines(tmp_path / f"run-{rank}.txt")
+        assert run[0] == plain[0] and dict(run[1:]) == {s: expected[s] for s in map(str, range(K + 1, K + 4))}
+        resumed = lines(tmp_path / f"res-{rank}.txt")
+        assert resumed[0][0] == "loaded" and int(resumed[0][1]) > K   # resumed past the DCP state
+        assert resumed[1:] and dict(resumed[1:]) == {s: expected[s] for s, _ in resumed[1:]}
+        assert resumed[-1][0] == str(STEPS)
+
+
+def test_an_unsharded_run_exports_to_dcp_in_process(tmp_path):
+    """Without FSDP (one process, no process group, called in-process as recovery.export): the DCP
+    directory holds exactly get_state_dict's flattened keys and values at the step asked for, past
+    the full checkpoint (replayed), and exporting raises no warning (DCP warns on every no_dist save)."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import lowdiff
+    import recovery
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, inner = build()
+    opt = lowdiff.wrap(inner, model, str(tmp_path / "ckpt"), compressor=lowdiff.Dense(), full_every=3, batch_steps=1)
+    states = {}
+    for step in range(1, 7):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, inner, options=options)
+        states[step] = copy.deepcopy({**model_sd, **optim_sd})
+    opt.close()
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="file: exists and is not a directory"):
+        recovery.export(str(tmp_path / "ckpt"), str(tmp_path / "file"), step=4, format="dcp")
+    assert recovery.export(str(tmp_path / "ckpt"), str(tmp_path / "out"), step=4, format="dcp") == 4
+    model, inner = build()
+    model_sd, optim_sd = get_state_dict(model, inner, options=options)
+    loaded = {**model_sd, **optim_sd, "lowdiff.step": 0}
+    with warnings.catch_warnings():   # the loader's own no_dist warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    assert set(dcp.FileSystemReader(str(tmp_path / "out")).read_metadata().state_dict_metadata) == set(loaded)
+    assert loaded.pop("lowdiff.step") == 4 and set(loaded) == set(states[4])
+    for key, want in states[4].items():
+        got = loaded[key]
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, key
