@@ -5,6 +5,7 @@ sampler, RNG) byte for byte as the uninterrupted run had it, and trains on ident
 items 1-2), and at another world size each new rank's chunks, gathered, are the uninterrupted run's
 (item 3). Before, the run failed at its first checkpoint."""
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -215,3 +216,20 @@ def test_a_tied_weight_is_stored_once_and_resumed_exactly(tmp_path):
     assert "/model/embed.weight" in keys and "/model/head.weight" not in keys
     ok(launch(directory, tmp_path / "res", 2, "--tied"))
     assert_resumed_exactly(tmp_path, reference, "res", lowest=4)
+
+
+def test_a_sharded_run_drains_to_a_shared_tier_and_resumes_from_it_alone(tmp_path, dense_adamw):
+    """Tiers on an FSDP2 directory (issue #31, item 6): each rank drains its share of every set
+    into the shared tier; with the local tier lost, both ranks resume from the shared tier alone at
+    the last step, exactly; `verify` passes on the shared tier."""
+    reference, shared = dense_adamw[0], tmp_path / "shared"
+    ok(launch(tmp_path / "local", tmp_path / "run", 2, "--shared", str(shared)))
+    for rank in range(2):
+        assert digests(tmp_path / f"run-{rank}.txt")[1] == reference[rank]   # tiers change nothing
+    shutil.rmtree(tmp_path / "local")                                         # the node is lost
+    ok(launch(tmp_path / "local", tmp_path / "res", 2, "--shared", str(shared), "--resume-only"))
+    for rank in range(2):
+        step, got = digests(tmp_path / f"res-{rank}.txt")
+        assert step == STEPS and got[STEPS] == reference[rank][STEPS], rank
+    checked = subprocess.run([sys.executable, "-m", "lowdiff", "verify", str(shared)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
