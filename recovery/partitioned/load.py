@@ -223,14 +223,28 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     if problems:
         _give_up(fset, problems)
         return None
+    # Resharding (another world size, or no sharded model: export) cuts each chunk from every
+    # share's recorded chunks: read and check them all now, so that a damaged one makes every rank
+    # fall back to an older set instead of failing half-way through the rebuild.
+    chunks: dict = {}   # share -> {key: (chunk entry, tensor)}
+    if indexes[own].dtensors and (world != fset.count or not dtensors.meshes_of(live.values())):
+        for i in range(fset.count):
+            try:
+                _read_chunks(fset, indexes, i, chunks)
+            except (CheckpointError, OSError, EOFError) as exc:
+                problems[i] = f"{fset.files[i]} does not verify ({exc})"
+        problems = _agree_problems(problems, world)
+        if problems:
+            _give_up(fset, problems)
+            return None
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
-                      _chunk_rebuilder(fset, rank, live, indexes))
+                      _chunk_rebuilder(fset, rank, live, indexes, chunks))
     return _Loaded(indexes[own], state, fset.files[own])
 
 
-def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict):
+def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: dict):
     """How a DTensor chunk read back becomes the DTensor on the live mesh: this rank's own chunk at
     the world size and mesh it was written with; else (resharding) this rank's chunk on the live
     mesh, cut from the recorded chunks of every share that overlap it (docs/format.md, "Sharded
@@ -238,7 +252,6 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict):
     meshes = dtensors.meshes_of(live.values())
     own = rank if rank < fset.count else 0
     slot_keys = {slot: f"/model/{key}" for key, slot in indexes[own].param_aliases.items()}
-    read: dict = {}   # share -> {key: (chunk entry, tensor)}, read once
 
     def live_of(key: str):
         target = live.get(key)
@@ -262,15 +275,21 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict):
     return rebuild
 
 
+def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict) -> None:
+    """Read share ``share``'s DTensor chunks into ``read[share]`` (once), checksums checked."""
+    if share in read:
+        return
+    path, index = fset.files[share], indexes[share]
+    with fastio.Reader(path) as reader:
+        own, _ = read_own(path, reader, index)
+    read[share] = {k: (index.dtensors[k], torch.frombuffer(data, dtype=dtype_from_name(e.dtype, path))
+                       if e.nbytes else torch.empty(0, dtype=dtype_from_name(e.dtype, path)))
+                   for k, (e, data) in own.items() if k in index.dtensors}
+
+
 def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict) -> tuple:
     """(chunk entry, tensor) of ``key`` in share ``share``, its checksum checked."""
-    if share not in read:
-        path, index = fset.files[share], indexes[share]
-        with fastio.Reader(path) as reader:
-            own, _ = read_own(path, reader, index)
-        read[share] = {k: (index.dtensors[k], torch.frombuffer(data, dtype=dtype_from_name(e.dtype, path))
-                           if e.nbytes else torch.empty(0, dtype=dtype_from_name(e.dtype, path)))
-                       for k, (e, data) in own.items() if k in index.dtensors}
+    _read_chunks(fset, indexes, share, read)
     if key not in read[share]:
         raise CorruptCheckpointError(fset.files[share], f"share {share} holds no chunk of {key!r}")
     return read[share][key]

@@ -111,8 +111,8 @@ def test_sigkill_of_every_rank_resumes_exactly(tmp_path, request, compressor, op
     assert_resumed_exactly(tmp_path, reference, "res", lowest=4)
 
 
-def test_a_damaged_share_falls_back_to_an_older_set(tmp_path, dense_adamw):
-    reference, directory = dense_adamw[0], copied(dense_adamw[1], tmp_path / "run")
+def damage_rank_1s_newest_chunk(directory) -> int:
+    """Flip a byte of rank 1's chunk of one weight in its newest full share; that set's step."""
     newest = sorted(n for n in os.listdir(directory / "rank-00001") if n.startswith("full-"))[-1]
     path = str(directory / "rank-00001" / newest)
     with fastio.Reader(path) as reader:
@@ -124,8 +124,13 @@ def test_a_damaged_share_falls_back_to_an_older_set(tmp_path, dense_adamw):
         byte = f.read(1)
         f.seek(entry.offset + 5)
         f.write(bytes([byte[0] ^ 0xFF]))
+    return int(newest.split("-")[1])
+
+
+def test_a_damaged_share_falls_back_to_an_older_set(tmp_path, dense_adamw):
+    reference, directory = dense_adamw[0], copied(dense_adamw[1], tmp_path / "run")
+    step = damage_rank_1s_newest_chunk(directory)
     err = ok(launch(directory, tmp_path / "res", 2))
-    step = int(newest.split("-")[1])
     assert f"share 1 of the full checkpoint of step {step}" in err and "falling back" in err, err
     assert "resumed from the older full checkpoint" in err and "ends at" not in err, err
     assert_resumed_exactly(tmp_path, reference, "res", lowest=step)   # from the older set, replayed past it
@@ -143,6 +148,20 @@ def check_resharded(reference_gathered, resumed):
     assert len(steps) == 1 and steps.pop() >= 4, resumed   # past the full set: differentials replayed
     for step, got in resumed:
         assert got[step] == reference_gathered[step]
+
+
+def test_a_damaged_chunk_of_another_rank_falls_back_when_resharding(tmp_path, dense_adamw):
+    """At another world size a rank reads every share's chunks: a damaged one is found before the
+    state is rebuilt, and the resume falls back to the older set with a warning, exact (it raised
+    a CorruptCheckpointError out of resume instead)."""
+    reference, directory = dense_adamw[0], copied(dense_adamw[1], tmp_path / "run")
+    step = damage_rank_1s_newest_chunk(directory)
+    directory = copied(directory, tmp_path / "run1")
+    results = launch(directory, tmp_path / "at1", 1, "--resume-only")
+    err = ok(results)
+    assert f"share 1 of the full checkpoint of step {step}" in err and "falling back" in err, err
+    resumed, got = digests(tmp_path / "at1-0.txt", column=-2)
+    assert resumed >= step - 4 and got[resumed] == reference[2][resumed], (resumed, err)
 
 
 def test_resume_at_one_rank_gathers_to_the_uninterrupted_state(tmp_path, dense_adamw):
