@@ -46,19 +46,24 @@ def _rel(path) -> str | None:
     return None
 
 
-def _record(*op) -> None:
-    _ops.append((time.monotonic_ns(), os.getpid()) + op)
+def _record(*op, at: int | None = None) -> None:
+    """Append ``op`` stamped with the monotonic clock: by default when the call has returned; a call
+    that makes a name appear passes ``at``, read before the call, so that another process which
+    sees the name (an open after it) is always stamped later and the merged traces keep that order."""
+    _ops.append((time.monotonic_ns() if at is None else at, os.getpid()) + op)
 
 
 def _wrap_open(path, flags, mode=0o777, *, dir_fd=None):
     rel = _rel(path) if dir_fd is None else None
     with _lock:
         existed = rel is not None and os.path.lexists(path)
+        before = time.monotonic_ns()
         fd = _real["open"](path, flags, mode, dir_fd=dir_fd)
         if rel is not None:
             handle = f"{os.getpid()}:{next(_counter)}"
             _fds[fd] = handle
-            _record("open", handle, rel, bool(flags & os.O_CREAT) and not existed, bool(flags & os.O_TRUNC))
+            created = bool(flags & os.O_CREAT) and not existed
+            _record("open", handle, rel, created, bool(flags & os.O_TRUNC), at=before if created else None)
         return fd
 
 
@@ -111,10 +116,11 @@ def _syncer(name):
 def _renamer(name):
     def rename(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
         with _lock:
+            before = time.monotonic_ns()
             _real[name](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
             a, b = _rel(src), _rel(dst)
             if a is not None and b is not None:
-                _record("rename", a, b)
+                _record("rename", a, b, at=before)
             elif a is not None or b is not None:
                 raise AssertionError(f"rename across the traced root: {src} -> {dst}")
     return rename
@@ -123,10 +129,11 @@ def _renamer(name):
 def _path_op(name, kind):
     def op(path, *args, **kwargs):
         with _lock:
+            before = time.monotonic_ns()
             _real[name](path, *args, **kwargs)
             rel = _rel(path)
             if rel is not None and kwargs.get("dir_fd") is None:
-                _record(kind, rel)
+                _record(kind, rel, at=before if kind == "mkdir" else None)
     return op
 
 
