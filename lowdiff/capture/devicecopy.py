@@ -25,25 +25,29 @@ record's recorded bytes.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
 import torch
 
 
-class CopyEngine:
-    """The stream and event operations ``DeviceCopy`` needs; the CUDA one below. A fake with the same
-    methods lets the CPU tests check the ordering (tests/gpu/test_device_pieces.py)."""
+class CopyEngine(abc.ABC):
+    """The stream and event operations ``DeviceCopy`` needs (an interface): the CUDA one below, and a
+    fake with the same methods that lets the CPU tests check the ordering
+    (tests/gpu/test_device_pieces.py)."""
 
+    @abc.abstractmethod
     def stream_waits_for_current(self, device: torch.device) -> None:
-        raise NotImplementedError
+        """Order the side stream after the work enqueued so far on ``device``'s current stream."""
 
+    @abc.abstractmethod
     def copy_to_host(self, src: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Enqueue a copy of ``src`` into new host memory on the side stream; the host tensor."""
 
+    @abc.abstractmethod
     def record_done(self):
         """An object whose ``synchronize()`` returns once every copy enqueued so far has landed."""
-        raise NotImplementedError
 
 
 class CudaCopyEngine(CopyEngine):
