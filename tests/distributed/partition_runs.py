@@ -16,7 +16,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180, steps=STEPS):
+def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180, steps=STEPS,
+           worker=WORKER):
     """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does).
     Returns [(exit code, stderr)] by rank."""
     port = free_port()
@@ -25,7 +26,7 @@ def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeo
         env = dict(os.environ)
         if fault is not None and rank == fault_rank:
             env["LOWDIFF_FAULT"] = fault
-        args = [sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
+        args = [sys.executable, worker, "--rank", str(rank), "--world", str(world), "--port", str(port),
                 "--steps", str(steps), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
         procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
     deadline = time.monotonic() + timeout

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ import fastio
 from lowdiff.format.sharefile import read_full_share_index
 
 sys.path.insert(0, os.path.dirname(__file__))
+import partition_runs  # noqa: E402
 from partition_runs import free_port  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
@@ -23,20 +23,8 @@ STEPS = 10
 
 
 def launch(directory, digests, world, *extra):
-    """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does)."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
-                               "--steps", str(STEPS), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt",
-                               *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]
-    deadline = time.monotonic() + 180
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode == -9 for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.05)
-    return [(p.returncode, p.communicate()[1]) for p in procs]
+    """Run ``world`` ranks of the FSDP2 worker (partition_runs.launch: one SIGKILLed, all are killed)."""
+    return partition_runs.launch(directory, digests, world, *extra, steps=STEPS, worker=WORKER)
 
 
 def digests(path, column=-1):
