@@ -47,6 +47,13 @@ class ReplayTimes:
             self.decode_s += decode_s
 
 
+# Decoding threads of a replay onto a GPU. There the optimizer's step is a few kernel launches and
+# the decoders' Python (record metadata, per-tensor views) is what is left to contend for the GIL:
+# on one H100's 16-core host, 8 decoders each took 10x their time alone and replay ran no faster
+# than serial (docs/measurements.md has the replay time per record by worker count).
+GPU_REPLAY_WORKERS = 2
+
+
 def default_workers() -> int:
     """Decoding threads of a replay when none are given (lowdiff.step.apply.replay_workers)."""
     return replay_workers()
@@ -140,10 +147,15 @@ def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, m
 def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None, workers=None,
            window: int | None = None, times: ReplayTimes | None = None):
     """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]) with
-    ``workers`` decoding threads (default: ``default_workers()``) and at most ``window`` records
+    ``workers`` decoding threads (default: ``default_workers()``, at most GPU_REPLAY_WORKERS onto a
+    GPU) and at most ``window`` records
     in flight (default: 4 per worker; fewer when two or more hold WINDOW_BYTES). Returns (last
     step, its record); adds timings to ``times``."""
-    workers = default_workers() if workers is None else check_workers(workers)
+    buffers = GradientBuffers(params)
+    feed = DeviceFeed.for_layout(buffers.layout)   # None on the CPU
+    if workers is None:
+        workers = default_workers() if feed is None else min(default_workers(), GPU_REPLAY_WORKERS)
+    workers = check_workers(workers)
     wall_started = time.perf_counter()
     window = window or 4 * workers
     times = times if times is not None else ReplayTimes()
@@ -154,8 +166,6 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
     progress = Progress(min(last_listed, stop_step if stop_step is not None else last_listed) - base_step,
                         "replaying differentials")
     in_flight: collections.deque = collections.deque()
-    buffers = GradientBuffers(params)
-    feed = DeviceFeed.for_layout(buffers.layout)   # None on the CPU
     memory = _RecordMemory()
     held = None   # the read buffer of the last record applied (its record is returned)
     # keep_freed_memory: each optimizer step reuses the pages of the temporaries the last one freed
