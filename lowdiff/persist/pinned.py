@@ -114,8 +114,12 @@ class CudaRing:
 
     @staticmethod
     def register(address: int, nbytes: int) -> bool:
-        """Page-lock host memory ``[address, address + nbytes)`` for the GPU's DMA engines."""
-        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
+        """Page-lock host memory ``[address, address + nbytes)`` for the GPU's DMA engines (False:
+        refused, or a torch without the binding; the ring copies then)."""
+        try:
+            return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
+        except (AttributeError, RuntimeError, TypeError):
+            return False
 
     @staticmethod
     def unregister(address: int) -> None:
