@@ -166,11 +166,11 @@ def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
     return (keys.to(torch.int64) - offsets).numpy(), values
 
 
-def _delta_bytes(flat: np.ndarray | None, counts: list) -> tuple[bytes | bytearray, list]:
+def _delta_bytes(flat: np.ndarray | None, counts: list) -> tuple[bytes | bytearray | memoryview, list]:
     """Index deltas of sorted indices ``flat`` (``counts[i]`` of them per tensor, each tensor
     restarting from 0; None when there are no sparse tensors), and each tensor's delta width in
     bytes: 2 when all its deltas fit in u16 (the common case at TopK ratios), else 4. Narrow deltas
-    are half the bytes for zstd to read and compress better. One pass in C (lowdiff.format._deltas)."""
+    are half the bytes for zstd to read and compress better. One pass in C without the GIL (lowdiff.format._deltas)."""
     if not counts:
         return b"", []
     assert flat is not None  # counts has an entry per sparse tensor
