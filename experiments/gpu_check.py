@@ -179,9 +179,10 @@ def part_overhead(preset: str, cpu: bool, rows: list) -> None:
     import lowdiff
     loop = Loop(preset, cpu)
     torch = loop.torch
-    # Warm-up past two batches of records: until then each step's record takes new pinned host memory
-    # (cudaHostAlloc, slow) that later steps reuse from torch's caching host allocator.
-    warm, timed = (2, 6) if cpu else (23, 20 if preset == "124m" else 12)   # 350M: a model's bytes take longer
+    # Warm-up past three batches of records (the most the writer holds: max_pending_batches + the one
+    # being filled): until then each step's record takes new pinned host memory (cudaHostAlloc, slow)
+    # that later steps reuse from torch's caching host allocator.
+    warm, timed = (2, 6) if cpu else (35, 20 if preset == "124m" else 12)   # 350M: a model's bytes take longer
     configs = ["plain", "topk-only", "lowdiff-topk", f"lowdiff-topk-full{FULL_EVERY_N}", "lowdiff-dense",
                f"torch.save/{FULL_EVERY_N}", f"dcp-async/{FULL_EVERY_N}"]
     if not torch.distributed.is_initialized():   # DCP needs a process group, even of one
