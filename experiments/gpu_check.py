@@ -141,6 +141,22 @@ class Loop:
         if self.device.type == "cuda":
             self.torch.cuda.current_stream().synchronize()
 
+    def timed_steps(self, opt, steps: int, before_step=None) -> list:
+        """Train ``steps`` steps through ``opt``; each one's wall time (ms), from a synchronised
+        start to its end on the compute stream. ``before_step()`` runs untimed before each."""
+        times = []
+        for s in range(steps):
+            if before_step is not None:
+                before_step()
+            self.sync()
+            t0 = time.perf_counter()
+            self.forward_backward(s)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
     def state_tensors(self, opt) -> list:
         tensors = [p.detach() for p in self.model.parameters()] + list(self.model.buffers())
         return tensors + [v for st in opt.state.values() for v in st.values() if self.torch.is_tensor(v)]
@@ -266,16 +282,8 @@ def part_stall(cpu: bool, rows: list) -> None:
         raw = loop.fresh_optimizer()
         opt = lowdiff.wrap(raw, loop.model, work, compressor=lowdiff.TopK(ratio=TOPK_RATIO), full_every=every,
                            batch_steps=every)
-        times = []
         try:
-            for s in range(4 * every + 2 if cpu else 5 * every + 2):
-                loop.sync()
-                t0 = time.perf_counter()
-                loop.forward_backward(s)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loop.sync()
-                times.append((time.perf_counter() - t0) * 1e3)
+            times = loop.timed_steps(opt, 4 * every + 2 if cpu else 5 * every + 2)
             stats = opt.stats()
         finally:
             opt.close()
@@ -303,17 +311,8 @@ def _auto_deferrals(loop: Loop, directory: Path, lowdiff, steps: int) -> dict:
     raw = loop.fresh_optimizer()
     opt = lowdiff.wrap(raw, loop.model, str(directory), compressor=lowdiff.TopK(ratio=TOPK_RATIO),
                        schedule=lowdiff.Auto(full_every="auto", batch_steps=8))
-    times = []
     try:
-        for s in range(steps):
-            opt.controller.full_every = 2
-            loop.sync()
-            t0 = time.perf_counter()
-            loop.forward_backward(s)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loop.sync()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times = loop.timed_steps(opt, steps, before_step=lambda: setattr(opt.controller, "full_every", 2))
         stats = opt.stats()
     finally:
         opt.close()

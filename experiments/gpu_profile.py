@@ -73,8 +73,21 @@ def steps(loop, opt, count: int, profile_from: int | None = None) -> tuple[list,
     return times, profile
 
 
-def part_topk(preset: str, cpu: bool) -> None:
+def profiled_run(loop, directory: str, steps_count: int, profile_from: int, **wrap_args) -> tuple:
+    """Train ``steps_count`` steps wrapped with ``wrap_args`` (TopK), profiling from
+    ``profile_from``: (step times, profile, stats)."""
     import lowdiff
+    raw = loop.fresh_optimizer()
+    opt = lowdiff.wrap(raw, loop.model, directory, compressor=lowdiff.TopK(ratio=gpu_check.TOPK_RATIO), **wrap_args)
+    try:
+        times, profile = steps(loop, opt, steps_count, profile_from=profile_from)
+        stats = opt.stats()
+    finally:
+        opt.close()
+    return times, profile, stats
+
+
+def part_topk(preset: str, cpu: bool) -> None:
     from lowdiff.capture import devicecopy
     from lowdiff.persist import background
     from lowdiff.step import compress
@@ -85,13 +98,7 @@ def part_topk(preset: str, cpu: bool) -> None:
     if hasattr(compress, "TopK"):
         timers.append(Timed(compress.TopK, "compress"))
     with tempfile.TemporaryDirectory() as work:
-        raw = loop.fresh_optimizer()
-        opt = lowdiff.wrap(raw, loop.model, work, compressor=lowdiff.TopK(ratio=gpu_check.TOPK_RATIO),
-                           full_every=100_000, batch_steps=10)
-        try:
-            times, profile = steps(loop, opt, 50, profile_from=38)
-        finally:
-            opt.close()
+        times, profile, _ = profiled_run(loop, work, 50, 38, full_every=100_000, batch_steps=10)
     log(f"topk {preset}: step ms " + " ".join(f"{t:.0f}" for t in times))
     for t in timers:
         log("  " + t.summary())
@@ -99,7 +106,6 @@ def part_topk(preset: str, cpu: bool) -> None:
 
 
 def part_full(cpu: bool) -> None:
-    import lowdiff
     from lowdiff.format import fullckpt
     from lowdiff.persist import background, pinned
     loop = gpu_check.Loop("124m", cpu)
@@ -107,14 +113,7 @@ def part_full(cpu: bool) -> None:
               Timed(background.FullWriter, "release"), Timed(background.FullWriter, "take"),
               Timed(background.FullWriter, "_quiesce"), Timed(pinned.PinnedStaging, "_drain")]
     with tempfile.TemporaryDirectory() as work:
-        raw = loop.fresh_optimizer()
-        opt = lowdiff.wrap(raw, loop.model, work, compressor=lowdiff.TopK(ratio=gpu_check.TOPK_RATIO),
-                           full_every=10, batch_steps=10)
-        try:
-            times, profile = steps(loop, opt, 42, profile_from=19)
-            stats = opt.stats()
-        finally:
-            opt.close()
+        times, profile, stats = profiled_run(loop, work, 42, 19, full_every=10, batch_steps=10)
     log("full 124m every 10: step ms " + " ".join(f"{t:.0f}" for t in times))
     log(f"  stats: full_stall_median_ms={stats.get('full_stall_median_ms')}")
     for t in timers:
