@@ -53,7 +53,8 @@ class Timed:
             return f"{self.name}: not called"
         last = self.calls[-10:]   # after the warm-up (pinned memory allocated, caches filled)
         return (f"{self.name}: {len(self.calls)} calls, median {statistics.median(self.calls):.2f} ms "
-                f"(last 10: {statistics.median(last):.2f}), max {max(self.calls):.2f} ms, total {sum(self.calls):.1f} ms")
+                f"(last 10: {statistics.median(last):.2f}), max {max(self.calls):.2f} ms, "
+                f"total {sum(self.calls):.1f} ms")
 
 
 def steps(loop, opt, count: int, profile_from: int | None = None) -> tuple[list, cProfile.Profile]:
