@@ -200,10 +200,14 @@ class Snapshot:
             assert self._buffer is not None, "copy() allocates the buffer it counts payload_bytes in"
             payload = self._buffer.view(0, self.payload_bytes)
         objects = tree.dumps(self._skeleton)
+        with_bytes = [e for e in self.entries if e.nbytes]
+        if self._checksums is None and with_bytes:   # the copy did not compute them: all in one call
+            assert self._buffer is not None
+            self._checksums = fastio.crc32c_regions([self._buffer.address + e.offset for e in with_bytes],
+                                                    [e.nbytes for e in with_bytes])
         checksums = iter(self._checksums or ())
         tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
-                                    next(checksums) if self._checksums is not None and e.nbytes else
-                                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes]),
+                                    next(checksums) if e.nbytes else fastio.crc32c(b""),
                                     key=e.key, dtype=e.dtype, shape=e.shape)
                         for e in self.entries)
         meta = self.meta
