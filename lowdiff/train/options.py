@@ -155,11 +155,16 @@ class Options:
     ``opt.step()``; "manual", ``opt.boundary()``, called by the loop after its work between steps.
     ``max_pending_batches``: batches recorded but not yet durable before ``step()`` blocks (a
     SIGKILL loses at most about that many). ``overwrite``: start recording over a directory that
-    holds later steps without resuming from it."""
+    holds later steps without resuming from it. ``full_copy``: where a full checkpoint's state is
+    copied into staging — "background", on the persist thread while the next forward and backward
+    run (``step()`` waits only for what is left of it); "in_step", inside ``step()`` before it
+    returns, which blocks the step for the copy but leaves the next iterations alone: on a CPU
+    whose cores all train, a background copy takes a core from them (docs/measurements.md)."""
 
     boundary: Literal["step", "manual"] = "step"
     max_pending_batches: int = 2
     overwrite: bool = False
+    full_copy: Literal["background", "in_step"] = "background"
 
     def __post_init__(self):
         if self.boundary not in ("step", "manual"):
@@ -168,6 +173,9 @@ class Options:
         _check_counts(self, "max_pending_batches")
         if not isinstance(self.overwrite, bool):
             raise _refuse(self, "overwrite", self.overwrite, "True or False")
+        if self.full_copy not in ("background", "in_step"):
+            raise _refuse(self, "full_copy", self.full_copy,
+                          "'background' (the persist thread, beside the next iteration) or 'in_step' (inside step())")
 
 
 def _is_number(value: object) -> bool:
@@ -207,7 +215,7 @@ def wrap_config(full_every: int | str | None, batch_steps: int | str | None, sch
                   batch_memory_bytes=schedule.batch_memory_bytes)
     return WrapConfig(**fields, retention=KeepLast(2) if retention is None else retention, tiers=tiers,
                       boundary=options.boundary, max_pending_batches=options.max_pending_batches,
-                      overwrite=options.overwrite)
+                      overwrite=options.overwrite, full_copy=options.full_copy)
 
 
 def schedule_of(full_every: int | str | None, batch_steps: int | str | None) -> Fixed | Auto:
