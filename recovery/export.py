@@ -9,7 +9,7 @@ import os
 import torch
 
 from lowdiff.distributed.partition import is_partitioned
-from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from recovery.execute import Restored
 from recovery.partitioned import dcpexport
 from recovery.partitioned.restore import restore_partitioned
@@ -129,12 +129,19 @@ def _export_shares(output, directory: str, first: _Rebuilt, count: int, chunks: 
     rebuilt = first
     for share in range(count):
         if share:
-            rebuilt = _rebuild(directory, restored.step, as_share=share)
+            try:
+                rebuilt = _rebuild(directory, restored.step, as_share=share)
+            except CheckpointError as exc:
+                warn(f"lowdiff: share {share} of step {restored.step} cannot be rebuilt on its own ({exc}): "
+                     f"exporting whole tensors instead of each share's chunks")
+                writer.abandon()
+                return False
             if (rebuilt.restored.full_step, rebuilt.restored.full_index.session) != \
                     (restored.full_step, restored.full_index.session):
                 warn(f"lowdiff: share {share} of step {restored.step} starts from the full checkpoint of step "
                      f"{rebuilt.restored.full_step}, share 0 from step {restored.full_step}: exporting whole "
                      f"tensors instead of each share's chunks")
+                writer.abandon()
                 return False
             chunks = dict(dcpexport.share_index(rebuilt.path).dtensors)
         state, keys = dcpexport.dcp_state(rebuilt.model_state, rebuilt.optimizer, rebuilt.names, restored.step)

@@ -150,6 +150,14 @@ class ShardedWriter:
         self._results.append(self._writer.write_data(plan, share_data).wait())
         self._plans.append(plan)
 
+    def abandon(self) -> None:
+        """Remove the data files written so far (no metadata was: nothing would read them)."""
+        for rank in range(len(self._plans)):
+            for name in os.listdir(self._output):
+                if name.startswith(f"__{rank}_") and name.endswith(".distcp"):
+                    os.unlink(os.path.join(self._output, name))
+        self._plans, self._results = [], []
+
     def commit(self) -> None:
         """Write the metadata of every share's chunks (DCP's global plan), last."""
         import dataclasses

@@ -189,6 +189,10 @@ class PartitionedLayout:
 
     def load(self, plan: Plan, position: int, skipped: list) -> Loaded | None:
         fset = plan.candidates[position].source
+        if self._as_share is not None and self._as_share >= fset.count:   # an older set, of fewer ranks
+            skipped.append((os.path.basename(fset.files[0]), f"the set of step {fset.step} has no share "
+                                                             f"{self._as_share} ({fset.count} shares)"))
+            return None
         loaded = load_set(fset, self._rank, self._world, self._check_full, self._into, self._as_share)
         if loaded is None:
             skipped.append(_skipped(fset))

@@ -121,6 +121,7 @@ def test_shares_starting_from_different_sets_export_whole_tensors(tmp_path, expo
     assert "share 1 of step 10 starts from the full checkpoint of step 4, share 0 from step 8" in result.stderr
     assert "exporting whole tensors" in result.stderr and f"exported step {STEPS}" in result.stdout
     assert chunks_of(out)["0.weight"] == [([0, 0], [24, 8])]
+    assert sorted(n for n in os.listdir(out) if n.endswith(".distcp")) == ["__0_0.distcp"]   # no stray share file
     ok(launch_dcp(out, tmp_path / "load", 1, "--load-only"))
     assert lines(tmp_path / "load-0.txt") == [["loaded", str(STEPS), reference[STEPS]]]
 
