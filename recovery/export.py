@@ -41,17 +41,19 @@ def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *,
     if format == "dcp" and os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"{os.fspath(output)}: exists and is not a directory (a DCP export writes a directory)")
     directory = checkpoint_directory(directory)
+    rebuilt = None
     if format == "dcp" and is_partitioned(directory):
         first = _rebuild(directory, step, as_share=0)   # share 0's own state: whole tensors if nothing is sharded
         share = dcpexport.share_index(first.path)
-        if share.dtensors and _export_shares(output, directory, first, share.count, share.dtensors):
+        if not share.dtensors:
+            rebuilt = first   # (as a plain export's: rank 0's share, every tensor whole)
+        elif _export_shares(output, directory, first, share.count, share.dtensors):
             return first.restored.step
-        # Nothing sharded, or the shares start from different sets: whole tensors (see _export_shares).
-    rebuilt = _rebuild(directory, step)
+        # else the shares start from different sets: whole tensors (see _export_shares)
+    rebuilt = rebuilt or _rebuild(directory, step)
     restored = rebuilt.restored
     if format == "dcp":
-        state, _ = dcpexport.dcp_state(_own_storage(rebuilt.model_state), rebuilt.optimizer, rebuilt.names,
-                                       restored.step)
+        state, _ = dcpexport.dcp_state(rebuilt.model_state, rebuilt.optimizer, rebuilt.names, restored.step)
         dcpexport.save_gathered(output, _own_storage(state))
         return restored.step
     boundary = restored.boundary
