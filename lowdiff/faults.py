@@ -27,6 +27,11 @@ In a partitioned directory resumed with fewer ranks (lowdiff.distributed.sharere
 
 ``dropped-clean``   between two deletions of a dropped rank's files its committed manifest dropped
 
+With full checkpoints striped over several devices (lowdiff.store.stripes):
+
+``stripe-write``    a stripe is committed under its name on its device; the checkpoint file naming the
+                    stripes and the manifest are not
+
 Without the variable ``point`` is a dictionary lookup; nothing else changes.
 """
 from __future__ import annotations
@@ -42,15 +47,17 @@ PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", 
 TIER_PHASES = ("drain-write", "drain-commit", "clean")
 PARTITION_PHASES = ("dropped-clean",)
 CONTROL_PHASES = ("controller-write",)
+STRIPE_PHASES = ("stripe-write",)
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
+    known = PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES + STRIPE_PHASES
     if not spec:
         return None
     phase, _, count = spec.partition(":")
-    if phase not in PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES or not count.isdigit() or int(count) < 1:
+    if phase not in known or not count.isdigit() or int(count) < 1:
         raise ValueError(f"LOWDIFF_FAULT={spec!r}: expected PHASE:N with PHASE one of "
-                         f"{', '.join(PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES)} and N >= 1")
+                         f"{', '.join(known)} and N >= 1")
     return phase, int(count)
 
 

@@ -17,13 +17,14 @@ same order, copies, and checks each tensor as soon as its last byte has arrived.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
 import torch
 
 import fastio
-from lowdiff.errors import CorruptCheckpointError
+from lowdiff.errors import CorruptCheckpointError, MissingDeviceError
 from lowdiff.format.records import dtype_name
 from lowdiff.format.schema import PAYLOAD_OFFSET, TensorEntry
 
@@ -227,3 +228,72 @@ class _Load:
                 wait()
             except (OSError, EOFError):
                 pass   # the first error was raised already, or a checksum failed first
+
+
+class StripedPayload:
+    """The payload of a striped full checkpoint (docs/format.md, "Striped full checkpoints") as
+    one reader: ``submit_read_into`` takes offsets of the logical file (the payload at
+    PAYLOAD_OFFSET, as the index's tensor entries give them) and reads each stripe's part from its
+    own file through its own engine, so every device works on its share of the reads at once.
+
+    Opening checks what can be checked without reading: a device directory that does not exist
+    raises MissingDeviceError (a drive not mounted is never read as an empty or damaged
+    checkpoint); a stripe file that is missing or of another size is damage."""
+
+    def __init__(self, path: str, stripes: tuple) -> None:
+        self.path, self.stripes = path, stripes
+        self._readers: list = []
+        self._engines: list = []
+        home = os.path.dirname(os.path.abspath(path))
+        try:
+            for number, stripe in enumerate(stripes):
+                directory = stripe.dir if stripe.dir is not None else home
+                if not os.path.isdir(directory):
+                    raise MissingDeviceError(f"{path}: stripe {number} of its payload is in {directory}, which does "
+                                             f"not exist (a drive that is not mounted?); mount it and retry, or "
+                                             f"resume from an older checkpoint with resume(..., step=...)")
+                stripe_path = os.path.join(directory, stripe.file)
+                try:
+                    size = os.stat(stripe_path).st_size
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(stripe_path, f"stripe {number} of {path} is missing") from None
+                if size != stripe.nbytes:
+                    raise CorruptCheckpointError(stripe_path, f"stripe {number} of {path} is {size} bytes, its "
+                                                              f"index says {stripe.nbytes}")
+                engine = fastio.make_engine(fastio.FastioConfig.from_env())   # one queue per device
+                self._engines.append(engine)
+                self._readers.append(fastio.Reader(stripe_path, engine=engine))
+        except BaseException:
+            self.close()
+            raise
+
+    def submit_read_into(self, offset: int, out):
+        """Start reading ``len(out)`` bytes of the logical file at ``offset``; return the wait."""
+        view = memoryview(out).cast("B")
+        low, high = offset - PAYLOAD_OFFSET, offset - PAYLOAD_OFFSET + view.nbytes
+        pieces = [(reader, stripe.start, max(low, stripe.start), min(high, stripe.start + stripe.nbytes))
+                  for stripe, reader in zip(self.stripes, self._readers)]
+        pieces = [piece for piece in pieces if piece[2] < piece[3]]
+        if sum(end - start for _, _, start, end in pieces) != view.nbytes:
+            raise EOFError(f"read of {view.nbytes} bytes at payload offset {low} is outside the stripes of {self.path}")
+        waits = [reader.submit_read_into(start - base, view[start - low:end - low])
+                 for reader, base, start, end in pieces]
+
+        def wait() -> None:
+            for one in waits:
+                one()
+        return wait
+
+    def close(self) -> None:
+        """Idempotent: every reader, then every engine (after their reads)."""
+        readers, engines, self._readers, self._engines = self._readers, self._engines, [], []
+        for reader in readers:
+            reader.close()
+        for engine in engines:
+            engine.close()
+
+    def __enter__(self) -> StripedPayload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -191,31 +191,80 @@ class FullMeta:
                 tuple(names), aliases, fields.get("optimizer_class", str), fields.get("compressor", str))
 
 
+@dataclasses.dataclass(frozen=True)
+class Stripe:
+    """One stripe of a striped full checkpoint's payload (docs/format.md, "Striped full
+    checkpoints"): payload bytes ``[start, start + nbytes)`` held, from offset 0, by the file
+    ``file`` in the device directory ``dir`` (None: the directory of the checkpoint itself)."""
+
+    dir: str | None
+    file: str
+    start: int
+    nbytes: int
+    crc32c: int
+
+    def to_json(self) -> dict:
+        return {"dir": self.dir, "file": self.file, "start": self.start, "nbytes": self.nbytes, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_json(cls, path: str, obj, position: int) -> Stripe:
+        fields = _Fields(path, obj, f"stripe #{position}")
+        directory = fields.get("dir", (str, type(None)))
+        name = fields.get("file", str)
+        if "/" in name or name in ("", ".", "..") or (directory is not None and not directory.startswith("/")):
+            raise fields.bad(f"stripe file {name!r} in {directory!r} is not a plain name in an absolute directory")
+        return cls(directory, name, fields.count("start"), fields.count("nbytes"), fields.count("crc32c"))
+
+
+def stripes_from_json(path: str, items, payload_bytes: int, what: _Fields) -> tuple:
+    """The stripes of a list read from ``path``: in payload order, tiling ``[0, payload_bytes)``
+    in whole pages (the last may end on the payload's end)."""
+    stripes = tuple(Stripe.from_json(path, item, i) for i, item in enumerate(items))
+    cursor = 0
+    for position, stripe in enumerate(stripes):
+        if stripe.start != cursor or stripe.nbytes == 0 or stripe.nbytes % PAGE:
+            raise what.bad(f"stripe #{position} ({stripe.start}, {stripe.nbytes} bytes) does not continue the "
+                           f"payload at {cursor} in whole pages")
+        cursor += stripe.nbytes
+    if stripes and cursor != payload_bytes:
+        raise what.bad(f"the stripes hold {cursor} bytes, the payload is {payload_bytes}")
+    return stripes
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class FullIndex(FullMeta):
-    """The index of a full checkpoint (docs/format.md, "Full checkpoint")."""
+    """The index of a full checkpoint (docs/format.md, "Full checkpoint"). ``stripes`` (empty: the
+    payload is in the file itself) are the files holding a striped checkpoint's payload."""
 
     payload_bytes: int
+    stripes: tuple = ()
 
     # The arguments keep the order of the index's fields that callers construct it with.
     def __init__(self, step: int, session: str, run: str | None, payload_bytes: int, tensors: tuple,
-                 objects: Section, param_names: tuple, param_aliases: dict, optimizer_class: str, compressor: str):
+                 objects: Section, param_names: tuple, param_aliases: dict, optimizer_class: str, compressor: str,
+                 stripes: tuple = ()):
         super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
         object.__setattr__(self, "payload_bytes", payload_bytes)
+        object.__setattr__(self, "stripes", tuple(stripes))
 
     def to_json(self) -> dict:
-        return {**self.meta_json("full"), "payload_bytes": self.payload_bytes}
+        out = {**self.meta_json("full"), "payload_bytes": self.payload_bytes}
+        if self.stripes:   # absent in a checkpoint that is not striped: its bytes stay as before
+            out["stripes"] = [s.to_json() for s in self.stripes]
+        return out
 
     @classmethod
     def from_json(cls, path: str, obj, file_bytes: int) -> FullIndex:
         fields = check_header(path, obj, "full")
         payload_bytes = fields.count("payload_bytes")
-        if payload_bytes % PAGE or PAYLOAD_OFFSET + payload_bytes > file_bytes:
+        stripes = stripes_from_json(path, fields.get("stripes", list, []), payload_bytes, fields)
+        in_file = 0 if stripes else payload_bytes   # a striped payload is in its stripes, not here
+        if payload_bytes % PAGE or PAYLOAD_OFFSET + in_file > file_bytes:
             raise fields.bad(f"payload of {payload_bytes} bytes does not fit a {file_bytes}-byte file in whole pages")
         tensors = tuple(TensorEntry.from_json(path, t, i) for i, t in enumerate(fields.get("tensors", list)))
         _check_disjoint(fields, tensors, PAYLOAD_OFFSET, PAYLOAD_OFFSET + payload_bytes)
         objects = Section.from_json(path, fields.get("objects", dict), "objects section")
-        if objects.offset < PAYLOAD_OFFSET + payload_bytes or objects.offset + objects.nbytes > file_bytes:
+        if objects.offset < PAYLOAD_OFFSET + in_file or objects.offset + objects.nbytes > file_bytes:
             raise fields.bad(f"objects section at offset {objects.offset} ({objects.nbytes} bytes) lies outside "
                              f"the file after the payload")
         names = fields.get("param_names", list)
@@ -224,7 +273,8 @@ class FullIndex(FullMeta):
                 isinstance(v, int) and 0 <= v < len(names) for v in aliases.values()):
             raise fields.bad("param_names/param_aliases do not describe the optimizer's parameters")
         step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(fields, names, aliases)
-        return cls(step, session, run, payload_bytes, tensors, objects, names, aliases, optimizer_class, compressor)
+        return cls(step, session, run, payload_bytes, tensors, objects, names, aliases, optimizer_class, compressor,
+                   stripes)
 
 
 def _check_disjoint(fields: _Fields, tensors: tuple, start: int, end: int) -> None:
