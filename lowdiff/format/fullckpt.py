@@ -187,8 +187,8 @@ class Snapshot:
         ``before_commit()`` is asked last, with everything written: if it returns False the file
         is discarded (nothing appears at ``path``) and persist returns None.
 
-        ``stripe(payload) -> (Stripe, ...)``, when given, writes the payload as stripes on other
-        devices and returns them once every stripe is durable (lowdiff.store.stripes); ``path``
+        ``stripe(payload) -> (unit, (Stripe, ...))``, when given, writes the payload as stripes on
+        several devices and returns them once every stripe is durable (lowdiff.store.stripes); ``path``
         then holds everything but the payload, and names the stripes (docs/format.md, "Striped
         full checkpoints"), so the checkpoint exists only once every stripe does.
         """
@@ -197,11 +197,12 @@ class Snapshot:
             assert self._buffer is not None, "copy() allocates the buffer it counts payload_bytes in"
             payload = self._buffer.view(0, self.payload_bytes)
         stripes: tuple = ()
+        unit = 0
         if stripe is not None and self.payload_bytes:
             if before_commit is not None and not before_commit():
                 return None   # (asked before the stripes are written: nothing of them appears either)
             before_commit = None
-            stripes = tuple(stripe(payload))
+            unit, stripes = stripe(payload)
         objects = tree.dumps(self._skeleton)
         checksums = iter(self._checksums or ())
         tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
@@ -214,7 +215,7 @@ class Snapshot:
 
         def make_index(objects_section: Section) -> FullIndex:
             return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, *meta.fields(),
-                             stripes=stripes)
+                             stripes=stripes, stripe_bytes=unit)
         return write_full_file(path, container.KIND_FULL, memoryview(b"") if stripes else payload, objects,
                                make_index, engine=engine, before_commit=before_commit)
 
@@ -306,7 +307,7 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
                                                f"checksum")
         skeleton = tree.loads(objects, path)
         # A striped payload: its device directories and files are checked before anything is read.
-        striped = StripedPayload(path, index.stripes) if index.stripes else None
+        striped = StripedPayload(path, index.stripes, index.stripe_bytes) if index.stripes else None
         try:
             if check is not None:
                 outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")

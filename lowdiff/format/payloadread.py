@@ -26,7 +26,7 @@ import torch
 import fastio
 from lowdiff.errors import CorruptCheckpointError, MissingDeviceError
 from lowdiff.format.records import dtype_name
-from lowdiff.format.schema import PAYLOAD_OFFSET, TensorEntry
+from lowdiff.format.schema import PAYLOAD_OFFSET, TensorEntry, stripe_pieces
 
 LOAD_CHUNK_BYTES = 32 << 20   # a read of this size per queue slot: deep enough, and verify starts early
 RING_CHUNKS = 4               # chunks bound for live tensors in flight at once
@@ -240,8 +240,8 @@ class StripedPayload:
     raises MissingDeviceError (a drive not mounted is never read as an empty or damaged
     checkpoint); a stripe file that is missing or of another size is damage."""
 
-    def __init__(self, path: str, stripes: tuple) -> None:
-        self.path, self.stripes = path, stripes
+    def __init__(self, path: str, stripes: tuple, unit: int) -> None:
+        self.path, self.stripes, self.unit = path, stripes, unit
         self._readers: list = []
         self._engines: list = []
         home = os.path.dirname(os.path.abspath(path))
@@ -271,13 +271,19 @@ class StripedPayload:
         """Start reading ``len(out)`` bytes of the logical file at ``offset``; return the wait."""
         view = memoryview(out).cast("B")
         low, high = offset - PAYLOAD_OFFSET, offset - PAYLOAD_OFFSET + view.nbytes
-        pieces = [(reader, stripe.start, max(low, stripe.start), min(high, stripe.start + stripe.nbytes))
-                  for stripe, reader in zip(self.stripes, self._readers)]
-        pieces = [piece for piece in pieces if piece[2] < piece[3]]
-        if sum(end - start for _, _, start, end in pieces) != view.nbytes:
+        pieces = stripe_pieces(self.unit, len(self.stripes), low, high)
+        if any(at + nbytes > self.stripes[device].nbytes for device, at, _, nbytes in pieces):
             raise EOFError(f"read of {view.nbytes} bytes at payload offset {low} is outside the stripes of {self.path}")
-        waits = [reader.submit_read_into(start - base, view[start - low:end - low])
-                 for reader, base, start, end in pieces]
+        # Consecutive units of one device are one read: a chunk becomes a read per device.
+        merged: list = []
+        for device, at, position, nbytes in pieces:
+            if merged and merged[-1][0] == device and merged[-1][1] + merged[-1][3] == at \
+                    and merged[-1][2] + merged[-1][3] == position:
+                merged[-1][3] += nbytes
+            else:
+                merged.append([device, at, position, nbytes])
+        waits = [self._readers[device].submit_read_into(at, view[position - low:position - low + nbytes])
+                 for device, at, position, nbytes in merged]
 
         def wait() -> None:
             for one in waits:

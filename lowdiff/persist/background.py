@@ -400,8 +400,9 @@ class FullWriter:
             stripe = None
             if devices is not None and isinstance(self._snapshot, Snapshot):
                 def stripe(payload):
-                    written[:] = devices.write(step, self.store.session, payload)
-                    return written
+                    unit, stripes = devices.write(step, self.store.session, payload)
+                    written[:] = stripes
+                    return unit, stripes
             try:
                 nbytes = self._snapshot.persist(path, self.store.session, run=self.store.run, engine=self._engine,
                                                 before_commit=pending.may_commit if pending is not None else None,

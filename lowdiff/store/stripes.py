@@ -2,8 +2,9 @@
 names of a checkpoint's stripes, their parallel write (one fastio engine, so one queue, per device)
 and the removal of a retired checkpoint's stripes (docs/format.md, "Striped full checkpoints").
 
-The checkpoint's own directory is device 0; ``stripe_dirs`` are the others. A payload is cut into
-one stripe per device, in whole pages, and every stripe is written and committed (temporary name,
+The checkpoint's own directory is device 0; ``stripe_dirs`` are the others. A payload is laid out
+over the devices in units of STRIPE_UNIT_BYTES, round robin (RAID-0), one stripe file per device, and
+every stripe is written and committed (temporary name,
 ``fdatasync``, rename, directory ``fsync``) before the checkpoint file that names them is: the
 checkpoint exists only once every stripe is durable.
 """
@@ -16,29 +17,32 @@ import threading
 import fastio
 from lowdiff import faults
 from lowdiff.errors import MissingDeviceError
-from lowdiff.format.schema import PAGE, Stripe
+from lowdiff.format.schema import PAGE, Stripe, stripe_pieces
 
 STRIPE_RE = re.compile(r"^full-(\d{12})-([0-9a-f]{8})-s(\d{2})\.lds$")
 # fastio.Writer's temporary name of a stripe (".NAME.tmp-PID-RAND").
 STRIPE_TEMP_RE = re.compile(r"^\.(full-\d{12}-[0-9a-f]{8}-s\d{2}\.lds)\.tmp-(\d+)-[0-9a-f]+$")
 MAX_DEVICES = 100   # two digits in a stripe's name
+# The unit of the layout: payload bytes [i * U, (i + 1) * U) go to device i mod N. Small enough that
+# a payload read in file order (32 MiB chunks, lowdiff.format.payloadread) keeps every device busy at
+# once, large enough that each is one request of the size the devices like.
+STRIPE_UNIT_BYTES = 1 << 20
 
 
 def stripe_name(step: int, session: str, number: int) -> str:
     return f"full-{step:012d}-{session}-s{number:02d}.lds"
 
 
-def split(payload_bytes: int, count: int) -> list[tuple[int, int]]:
-    """``[(start, nbytes)]``: ``payload_bytes`` (whole pages) cut into ``count`` stripes of about
-    equal size in whole pages (fewer when the payload has fewer pages; none when it is empty)."""
-    pages = payload_bytes // PAGE
-    count = min(count, pages)
-    out, start = [], 0
-    for number in range(count):
-        nbytes = (pages // count + (1 if number < pages % count else 0)) * PAGE
-        out.append((start, nbytes))
-        start += nbytes
-    return out
+def stripe_unit(payload_bytes: int, devices: int) -> int:
+    """The unit of a payload's layout: STRIPE_UNIT_BYTES, or for a payload smaller than a unit per
+    device, its share per device in whole pages (so that a small checkpoint is spread too)."""
+    share = -(-payload_bytes // devices)
+    return min(STRIPE_UNIT_BYTES, max(PAGE, -(-share // PAGE) * PAGE))
+
+
+def stripe_count(payload_bytes: int, devices: int, unit: int) -> int:
+    """How many devices a payload is striped over: each holds at least one unit."""
+    return min(devices, -(-payload_bytes // unit))
 
 
 def check_stripe_dirs(directory: str, stripe_dirs) -> tuple[str, ...]:
@@ -67,39 +71,43 @@ class StripeDevices:
         config = fastio.FastioConfig.from_env()
         self._engines = [fastio.make_engine(config) for _ in range(len(stripe_dirs) + 1)]
 
-    def write(self, step: int, session: str, payload: memoryview) -> tuple[Stripe, ...]:
-        """Write ``payload`` as stripes, one per device, in parallel; return them once every one is
-        durable under its name. If one fails, the stripes this call committed are removed (no
-        manifest or checkpoint file names them yet) and the first error is raised."""
-        parts = split(len(payload), len(self._engines))
+    def write(self, step: int, session: str, payload: memoryview) -> tuple[int, tuple[Stripe, ...]]:
+        """Write ``payload`` as stripes, one per device, in parallel; return (unit, stripes) once
+        every one is durable under its name. If one fails, the stripes this call committed are
+        removed (no manifest or checkpoint file names them yet) and the first error is raised."""
+        unit = stripe_unit(len(payload), len(self._engines))
+        count = stripe_count(len(payload), len(self._engines), unit)
         dirs = (None, *self.stripe_dirs)
-        results: list = [None] * len(parts)
+        results: list = [None] * count
         errors: list = []
+        pieces = stripe_pieces(unit, count, 0, len(payload))
 
-        def write_one(number: int, start: int, nbytes: int) -> None:
+        def write_one(number: int) -> None:
             try:
-                piece = payload[start:start + nbytes]
                 name = stripe_name(step, session, number)
                 path = os.path.join(dirs[number] or self.directory, name)
-                with fastio.Writer(path, size_hint=nbytes, engine=self._engines[number]) as writer:
-                    writer.write(piece)
-                    crc = fastio.crc32c(piece)   # while the device writes (the GIL is released)
-                results[number] = Stripe(dirs[number], name, start, nbytes, crc)
+                mine = [(position, nbytes) for device, _, position, nbytes in pieces if device == number]
+                crc, nbytes_all = 0, sum(n for _, n in mine)
+                with fastio.Writer(path, size_hint=nbytes_all, engine=self._engines[number]) as writer:
+                    for position, nbytes in mine:   # every unit is page-aligned: written without a copy
+                        piece = payload[position:position + nbytes]
+                        writer.write(piece)
+                        crc = fastio.crc32c(piece, crc)   # while the device writes (the GIL is released)
+                results[number] = Stripe(dirs[number], name, nbytes_all, crc)
                 faults.point("stripe-write")
             except BaseException as exc:
                 errors.append(exc)
-        threads = [threading.Thread(target=write_one, args=(number, start, nbytes), daemon=True,
-                                    name=f"lowdiff-stripe-{number}")
-                   for number, (start, nbytes) in enumerate(parts)]
-        for thread in threads[1:]:
+        threads = [threading.Thread(target=write_one, args=(number,), daemon=True, name=f"lowdiff-stripe-{number}")
+                   for number in range(1, count)]
+        for thread in threads:
             thread.start()
-        write_one(0, *parts[0])   # device 0 on this thread
-        for thread in threads[1:]:
+        write_one(0)   # device 0 on this thread
+        for thread in threads:
             thread.join()
         if errors:
             remove_stripes(self.directory, [s for s in results if s is not None])
             raise errors[0]
-        return tuple(results)
+        return unit, tuple(results)
 
     def dead_temps(self) -> list[str]:
         """Temporary stripe files on every device whose writer process is gone."""

@@ -20,7 +20,8 @@ import lowdiff
 from lowdiff.cli import main as cli
 from lowdiff.errors import MissingDeviceError
 from lowdiff.format.fullckpt import read_full_index
-from lowdiff.store.stripes import STRIPE_RE, split
+from lowdiff.format.schema import stripe_pieces, stripe_sizes
+from lowdiff.store.stripes import STRIPE_RE, stripe_count, stripe_unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 16
@@ -59,10 +60,16 @@ def striped(tmp_path):
     return directory, devices
 
 
-def test_split_cuts_whole_pages_about_equally():
-    assert split(10 * 4096, 4) == [(0, 3 * 4096), (3 * 4096, 3 * 4096), (6 * 4096, 2 * 4096), (8 * 4096, 2 * 4096)]
-    assert split(2 * 4096, 4) == [(0, 4096), (4096, 4096)]
-    assert split(0, 3) == []
+def test_the_layout_puts_unit_i_on_device_i_mod_n():
+    unit = 4096
+    assert stripe_sizes(10 * unit, unit, 4) == [3 * unit, 3 * unit, 2 * unit, 2 * unit]
+    assert stripe_sizes(9 * unit + 512, unit, 4) == [3 * unit, 2 * unit + 512, 2 * unit, 2 * unit]
+    assert stripe_pieces(unit, 3, unit // 2, 5 * unit) == [
+        (0, unit // 2, unit // 2, unit // 2), (1, 0, unit, unit), (2, 0, 2 * unit, unit),
+        (0, unit, 3 * unit, unit), (1, unit, 4 * unit, unit)]
+    assert stripe_unit(64 << 20, 4) == 1 << 20 and stripe_count(64 << 20, 4, 1 << 20) == 4
+    assert stripe_unit(10 * unit, 3) == 4 * unit and stripe_count(10 * unit, 3, 4 * unit) == 3
+    assert stripe_unit(unit, 4) == unit and stripe_count(unit, 4, unit) == 1
 
 
 def test_a_striped_run_resumes_exactly_and_retention_cleans_every_drive(striped, reference):
