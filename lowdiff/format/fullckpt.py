@@ -214,8 +214,9 @@ class Snapshot:
         assert meta is not None, "stage() records what the checkpoint was trained with"
 
         def make_index(objects_section: Section) -> FullIndex:
-            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, *meta.fields(),
-                             stripes=stripes, stripe_bytes=unit)
+            names, aliases, optimizer_class, compressor = meta.fields()
+            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, names, aliases,
+                             optimizer_class, compressor, stripes=stripes, stripe_bytes=unit)
         return write_full_file(path, container.KIND_FULL, memoryview(b"") if stripes else payload, objects,
                                make_index, engine=engine, before_commit=before_commit)
 

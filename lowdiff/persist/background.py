@@ -396,9 +396,10 @@ class FullWriter:
                 finally:
                     pending.copied.set()
             path = self.store.full_path(step)
-            devices, written = self.store.stripes, []
+            devices = self.store.stripes
+            written: list = []   # the stripes written, for the manifest
             stripe = None
-            if devices is not None and isinstance(self._snapshot, Snapshot):
+            if devices is not None:
                 def stripe(payload):
                     unit, stripes = devices.write(step, self.store.session, payload)
                     written[:] = stripes
@@ -406,7 +407,7 @@ class FullWriter:
             try:
                 nbytes = self._snapshot.persist(path, self.store.session, run=self.store.run, engine=self._engine,
                                                 before_commit=pending.may_commit if pending is not None else None,
-                                                **({"stripe": stripe} if stripe is not None else {}))
+                                                stripe=stripe)
             except BaseException:
                 remove_stripes(self.store.directory, written)   # no committed file names them
                 raise
