@@ -190,7 +190,8 @@ class Snapshot:
         ``stripe(payload) -> (unit, (Stripe, ...))``, when given, writes the payload as stripes on
         several devices and returns them once every stripe is durable (lowdiff.store.stripes); ``path``
         then holds everything but the payload, and names the stripes (docs/format.md, "Striped
-        full checkpoints"), so the checkpoint exists only once every stripe does.
+        full checkpoints"), so the checkpoint exists only once every stripe does. When it returns
+        None, the stripes written are named by nothing: the caller removes them.
         """
         payload = memoryview(b"")
         if self.payload_bytes:
@@ -199,10 +200,7 @@ class Snapshot:
         stripes: tuple = ()
         unit = 0
         if stripe is not None and self.payload_bytes:
-            if before_commit is not None and not before_commit():
-                return None   # (asked before the stripes are written: nothing of them appears either)
-            before_commit = None
-            unit, stripes = stripe(payload)
+            unit, stripes = stripe(payload)   # (if before_commit refuses, the caller removes them)
         objects = tree.dumps(self._skeleton)
         checksums = iter(self._checksums or ())
         tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,

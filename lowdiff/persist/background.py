@@ -412,6 +412,7 @@ class FullWriter:
                 remove_stripes(self.store.directory, written)   # no committed file names them
                 raise
             if nbytes is None:
+                remove_stripes(self.store.directory, written)   # named by nothing
                 return  # discarded: the training thread saw the state change during the copy
             faults.point("full-commit")
             self.store.commit_full(step, path, nbytes, base=base, stripes=tuple(written))

@@ -214,3 +214,30 @@ def test_sigkill_during_striped_writes_resumes_exactly(tmp_path, demo_reference,
     last = digests.read_text().splitlines()[-1].split()
     assert last == ["20", demo_reference["20"]]
     assert cli.main(["verify", str(directory)]) == 0
+
+
+def test_a_discarded_checkpoint_leaves_no_stripe(tmp_path):
+    """A full checkpoint copied in the background and then discarded (the state changed in place
+    outside step() during the copy) leaves none of its stripes on any drive."""
+    directory, devices = tmp_path / "ckpt", [tmp_path / "nvme1"]
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler, options=lowdiff.Options(stripe_dirs=(str(devices[0]),)))
+    import torch
+
+    import recovery
+    from lowdiff.cli.demo import forward_backward
+    assert recovery.resume(str(directory), model, opt) == 0
+    train_steps(model, opt, sched, sampler, 0, 6)        # the full checkpoint of step 6 is being copied
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    forward_backward(model, sampler)
+    with pytest.warns(RuntimeWarning) as caught:
+        opt.step()
+    assert any("step 6 is discarded" in str(w.message) for w in caught)
+    opt.flush()
+    steps = [f["step"] for f in _manifest(directory)["fulls"]]
+    assert 6 not in steps
+    present = {n for d in [directory, *devices] for n in _stripe_files(d)}
+    assert not [n for n in present if n.startswith("full-000000000006-")]
+    assert present == {s["file"] for f in _manifest(directory)["fulls"] for s in f["stripes"]}
+    opt.close()
