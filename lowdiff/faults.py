@@ -11,7 +11,8 @@ reaches ``point(PHASE)`` (N counts from 1). Phases, in the order a checkpoint go
 ``full-commit``     a full checkpoint is committed under its name; the manifest does not list it yet
 ``manifest-write``  a new manifest is written and synced under its temporary name, not yet replaced
 ``manifest-commit`` the new manifest replaced the old one; files it dropped are not yet deleted
-``retention``       between two deletions of files the committed manifest dropped
+``retention``       between two deletions of files the committed manifest dropped (a striped full
+                    checkpoint's stripes, deleted before its file, count one each)
 
 With storage tiers (lowdiff.tiers.policy), the drainer copying committed files to the shared tier:
 

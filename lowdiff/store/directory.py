@@ -190,7 +190,7 @@ class CheckpointStore:
         faults.point("manifest-commit")
         self.manifest = manifest
         for entry in retired:
-            remove_stripes(self.directory, entry.stripes)   # first: the file is what names them
+            remove_stripes(self.directory, entry.stripes, self.clean_point)   # first: the file names them
             _unlink(os.path.join(self.directory, entry.file))
             faults.point(self.clean_point)
         for hook in self.after_commit:

@@ -144,17 +144,20 @@ def stripe_path(directory: str, stripe: Stripe) -> str:
     return os.path.join(stripe.dir if stripe.dir is not None else directory, stripe.file)
 
 
-def remove_stripes(directory: str, stripes) -> None:
+def remove_stripes(directory: str, stripes, fault: str | None = None) -> None:
     """Delete the ``stripes`` of a checkpoint of ``directory`` (retired, or never named by a
     committed file) whose files still have their size; a missing device directory or file is
-    left as it is (a drive not mounted is no reason to delete anything else)."""
+    left as it is (a drive not mounted is no reason to delete anything else). ``fault``: the
+    fault point (lowdiff.faults) reached after each deletion."""
     for stripe in stripes:
         path = stripe_path(directory, stripe)
         try:
             if os.stat(path).st_size == stripe.nbytes:
                 os.unlink(path)
         except FileNotFoundError:
-            pass
+            continue
+        if fault is not None:
+            faults.point(fault)
 
 
 def _dead_writer(name: str) -> bool:

@@ -20,8 +20,7 @@ import lowdiff
 from lowdiff.cli import main as cli
 from lowdiff.errors import MissingDeviceError
 from lowdiff.format.fullckpt import read_full_index
-from lowdiff.format.schema import stripe_pieces, stripe_sizes
-from lowdiff.store.stripes import STRIPE_RE, stripe_count, stripe_unit
+from lowdiff.store.stripes import STRIPE_RE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 16
@@ -58,18 +57,6 @@ def striped(tmp_path):
     directory, devices = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"]
     _train(directory, devices, STEPS)
     return directory, devices
-
-
-def test_the_layout_puts_unit_i_on_device_i_mod_n():
-    unit = 4096
-    assert stripe_sizes(10 * unit, unit, 4) == [3 * unit, 3 * unit, 2 * unit, 2 * unit]
-    assert stripe_sizes(9 * unit + 512, unit, 4) == [3 * unit, 2 * unit + 512, 2 * unit, 2 * unit]
-    assert stripe_pieces(unit, 3, unit // 2, 5 * unit) == [
-        (0, unit // 2, unit // 2, unit // 2), (1, 0, unit, unit), (2, 0, 2 * unit, unit),
-        (0, unit, 3 * unit, unit), (1, unit, 4 * unit, unit)]
-    assert stripe_unit(64 << 20, 4) == 1 << 20 and stripe_count(64 << 20, 4, 1 << 20) == 4
-    assert stripe_unit(10 * unit, 3) == 4 * unit and stripe_count(10 * unit, 3, 4 * unit) == 3
-    assert stripe_unit(unit, 4) == unit and stripe_count(unit, 4, unit) == 1
 
 
 def test_a_striped_run_resumes_exactly_and_retention_cleans_every_drive(striped, reference):
@@ -193,9 +180,12 @@ def demo_reference(tmp_path_factory):
 
 
 # stripe-write:5 — the 2nd stripe of the 2nd full checkpoint (3 drives): its 1st stripe is
-# committed, the rest, the checkpoint file and the manifest are not. full-commit:2: every stripe and
-# the checkpoint file are committed, the manifest does not list it yet (it is adopted).
-@pytest.mark.parametrize("fault", ["stripe-write:5", "full-commit:2"])
+# committed, the rest, the checkpoint file and the manifest are not. full-write:2: every stripe is
+# committed, the checkpoint file is not. full-commit:2: every stripe and the checkpoint file are
+# committed, the manifest does not list it yet (it is adopted). manifest-commit:4, retention:2: a
+# commit that retires a striped checkpoint, killed before or between its deletions.
+@pytest.mark.parametrize("fault", ["stripe-write:5", "full-write:2", "full-commit:2", "manifest-commit:4",
+                                   "retention:2"])
 def test_sigkill_during_striped_writes_resumes_exactly(tmp_path, demo_reference, fault):
     directory, devices = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"]
     digests = tmp_path / "digests.txt"
@@ -203,12 +193,23 @@ def test_sigkill_during_striped_writes_resumes_exactly(tmp_path, demo_reference,
     assert killed.returncode == -9, killed.stderr[-2000:]
     fulls = _manifest(directory)["fulls"]
     listed = {s["file"] for f in fulls for s in f["stripes"]}
+    if fault == "retention:2":
+        # Killed between the deletions of the first retired checkpoint's stripes: its file is
+        # still there (retired, naming the stripes left), and so is one stripe of it.
+        assert [n for n in os.listdir(directory) if n.startswith("full-000000000000-") and n.endswith(".ldf")]
+        assert len([n for d in [directory, *devices] for n in _stripe_files(d)
+                    if n.startswith("full-000000000000-")]) == 1
     if fault.startswith("stripe-write"):
         # Nothing partial adopted: the checkpoint whose stripes were being written is not listed,
         # and its committed stripe is named by nothing.
         assert all(f["step"] < 5 for f in fulls)
         assert any(n not in listed for d in [directory, *devices] for n in _stripe_files(d))
     finished = _demo(directory, devices, 20, digests)
+    # Whatever retention retired is gone from every drive once the next trainer has run.
+    listed = {s["file"] for f in _manifest(directory)["fulls"] for s in f["stripes"]}
+    retired_steps = {f["step"] for f in fulls} - {f["step"] for f in _manifest(directory)["fulls"]}
+    assert not [n for d in [directory, *devices] for n in _stripe_files(d)
+                if n not in listed and int(n[5:17]) in retired_steps]
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert finished.stdout.startswith("resumed at step") or "resumed" not in finished.stdout
     last = digests.read_text().splitlines()[-1].split()
