@@ -281,10 +281,13 @@ def live_targets(model: torch.nn.Module, optimizer, exclude=frozenset()) -> dict
 
 
 def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None,
-              check=None) -> tuple[FullIndex, FullState]:
+              check=None, check_stripes: bool = False) -> tuple[FullIndex, FullState]:
     """Read a full checkpoint: (index, state). The payload is read with O_DIRECT in chunks queued
     together (``payloadread``); each tensor's checksum is verified as soon as its bytes have
     arrived, while later chunks are still being read, so verifying costs no time of its own.
+
+    ``check_stripes``: of a striped checkpoint, also check every stripe file's CRC-32C (``verify``
+    does; the tensors' checksums already cover every byte a resume uses).
 
     ``check(index, outline)``, if given, is called before the payload is read, with the state's
     outline (every tensor a ``meta`` tensor of its dtype and shape): it raises to refuse the file
@@ -306,7 +309,7 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
                                                f"checksum")
         skeleton = tree.loads(objects, path)
         # A striped payload: its device directories and files are checked before anything is read.
-        striped = StripedPayload(path, index.stripes, index.stripe_bytes) if index.stripes else None
+        striped = StripedPayload(path, index.stripes, index.stripe_bytes, check_stripes) if index.stripes else None
         try:
             if check is not None:
                 outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
@@ -314,6 +317,8 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
                 check(index, _state(path, index, skeleton, outline))
             buffer, placed = read_payload(path, striped or reader, index.payload_bytes, index.tensors, verify,
                                           into or {})
+            if striped is not None and check_stripes:
+                striped.check()
         finally:
             if striped is not None:
                 striped.close()

@@ -240,8 +240,11 @@ class StripedPayload:
     raises MissingDeviceError (a drive not mounted is never read as an empty or damaged
     checkpoint); a stripe file that is missing or of another size is damage."""
 
-    def __init__(self, path: str, stripes: tuple, unit: int) -> None:
+    def __init__(self, path: str, stripes: tuple, unit: int, check_stripes: bool = False) -> None:
         self.path, self.stripes, self.unit = path, stripes, unit
+        # ``check_stripes``: each stripe file's CRC-32C, carried on over its bytes as the reads are
+        # waited for (in file order, so in each stripe's order), compared by ``check``.
+        self._crcs: list | None = [[0, 0] for _ in stripes] if check_stripes else None
         self._readers: list = []
         self._engines: list = []
         home = os.path.dirname(os.path.abspath(path))
@@ -288,7 +291,23 @@ class StripedPayload:
         def wait() -> None:
             for one in waits:
                 one()
+            crcs = self._crcs
+            if crcs is None:
+                return
+            for device, at, position, nbytes in merged:
+                crc, done = crcs[device]
+                if at == done:   # (a stripe is read once, in order: each piece continues its CRC)
+                    crcs[device] = [fastio.crc32c(view[position - low:position - low + nbytes], crc), done + nbytes]
         return wait
+
+    def check(self) -> None:
+        """With ``check_stripes``, after the whole payload was read: raise CorruptCheckpointError
+        naming the first stripe file whose CRC-32C is not its index's (bytes no tensor covers)."""
+        home = os.path.dirname(os.path.abspath(self.path))
+        for number, (stripe, (crc, done)) in enumerate(zip(self.stripes, self._crcs or ())):
+            if done != stripe.nbytes or crc != stripe.crc32c:
+                raise CorruptCheckpointError(os.path.join(stripe.dir or home, stripe.file),
+                                             f"stripe {number} of {self.path} fails its CRC-32C")
 
     def close(self) -> None:
         """Idempotent: every reader, then every engine (after their reads)."""

@@ -126,6 +126,25 @@ def test_a_damaged_stripe_falls_back_with_a_warning_naming_it(striped, reference
     capsys.readouterr()
 
 
+def test_verify_checks_each_stripe_files_crc(striped, capsys):
+    """Bytes no tensor covers (the padding between tensors) are checked by the stripe's CRC-32C."""
+    directory, _ = striped
+    full, path = _newest_stripe(directory, 0)
+    index = read_full_index(str(directory / full["file"]))
+    ends = sorted(e.offset - 4096 + e.nbytes for e in index.tensors)
+    starts = {e.offset - 4096 for e in index.tensors}
+    # a padding byte of the payload (after a tensor, before the next one) that lies in stripe 0
+    gap = next(end for end in ends if end not in starts and end < index.payload_bytes
+               and (end // index.stripe_bytes) % len(index.stripes) == 0)
+    at = (gap // index.stripe_bytes // len(index.stripes)) * index.stripe_bytes + gap % index.stripe_bytes
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff")
+    assert cli.main(["verify", str(directory)]) != 0
+    assert "fails its CRC-32C" in capsys.readouterr().out
+    assert int(resumed_digest(directory)[0]) == STEPS   # (a resume uses tensor bytes only)
+
+
 def test_a_missing_drive_is_refused_by_name_and_nothing_is_deleted(striped):
     directory, devices = striped
     before = {str(d): sorted(os.listdir(d)) for d in [directory, devices[0]]}
