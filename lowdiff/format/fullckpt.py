@@ -127,8 +127,7 @@ class Snapshot:
         tensors, _ = self._staged
         entries, payload_bytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
-            self._buffer = None
-            self._destinations = None
+            self.drop_buffer()
             spare, self.spare = self.spare, None
             if spare is not None and spare.capacity_bytes >= payload_bytes:
                 self._buffer = spare
@@ -146,7 +145,8 @@ class Snapshot:
                 pass
             elif not on_training_thread and self.device_copy is not None and any(
                     self.device_copy.handles(src) for src in sources):
-                self.device_copy.copy(destinations, sources)   # checksums: computed by persist()
+                # checksums: computed by persist(); the whole buffer, which may be page-locked once
+                self.device_copy.copy(destinations, sources, (self._buffer.address, self._buffer.capacity_bytes))
             elif not on_training_thread:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each
@@ -162,6 +162,14 @@ class Snapshot:
                 for dst, src in zip(destinations, sources):  # device tensors: one by one to the host
                     dst.copy_(src)
         self.entries, self.payload_bytes = entries, payload_bytes
+
+    def drop_buffer(self) -> None:
+        """Let the staging buffer go (a device copy that page-locked it unlocks it first: its
+        memory is unmapped once nothing refers to it)."""
+        if self._buffer is not None and self.device_copy is not None and hasattr(self.device_copy, "forget"):
+            self.device_copy.forget(self._buffer.address)
+        self._buffer = None
+        self._destinations = None
 
     def modified_since_stage(self) -> list[str]:
         """Keys of staged tensors modified in place since ``stage`` (by their version counters)."""
@@ -202,10 +210,14 @@ class Snapshot:
         if stripe is not None and self.payload_bytes:
             unit, stripes = stripe(payload)   # (if before_commit refuses, the caller removes them)
         objects = tree.dumps(self._skeleton)
+        with_bytes = [e for e in self.entries if e.nbytes]
+        if self._checksums is None and with_bytes:   # the copy did not compute them: all in one call
+            assert self._buffer is not None
+            self._checksums = fastio.crc32c_regions([self._buffer.address + e.offset for e in with_bytes],
+                                                    [e.nbytes for e in with_bytes])
         checksums = iter(self._checksums or ())
         tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
-                                    next(checksums) if self._checksums is not None and e.nbytes else
-                                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes]),
+                                    next(checksums) if e.nbytes else fastio.crc32c(b""),
                                     key=e.key, dtype=e.dtype, shape=e.shape)
                         for e in self.entries)
         meta = self.meta

@@ -438,8 +438,11 @@ class FullWriter:
         self._errors.check()
 
     def close(self) -> None:
-        """Training thread: ``wait``, then end the worker thread."""
+        """Training thread: ``wait``, then end the worker thread and let staging go (unlocking it
+        if it was page-locked for device copies)."""
         try:
             self.wait()
         finally:
             self._worker.close()
+            if self._pinned is not None:
+                self._snapshot.drop_buffer()

@@ -205,3 +205,6 @@ def test_stats_count_what_checkpointing_did(tmp_path):
     assert stats["batch_write_count"] == len(read_manifest(directory).batches) == 5  # 1-3 4-6 7-9 10-12 13
     for key in ("full_stall", "full_persist", "batch_write"):
         assert 0 <= stats[f"{key}_median_ms"] <= stats[f"{key}_max_ms"]
+    # What a full checkpoint cost the iterations: the one of step 6 is charged by the time step 12
+    # takes the next (that of step 12 only once a clean step follows it).
+    assert stats["full_iteration_cost_count"] >= 1 and stats["full_iteration_cost_median_ms"] >= 0
