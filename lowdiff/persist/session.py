@@ -64,6 +64,7 @@ class CheckpointSession:
         self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine,
                                 batch_format=partition, drop_covered=config.replica)
         self.fulls = FullWriter(self.store, self.controller, engine,
+                                background_copy=config.full_copy == "background",
                                 snapshot=None if partition is None else partition.snapshot())
         self.controller.load_state(self.directory)   # measurements of earlier sessions (CONTROLLER.json)
         self.recording = self.controller.differentials   # differentials in force (see begin_step)

@@ -46,6 +46,7 @@ class WrapConfig:
     retention: Policy = KeepLast(2)   # what the main directory keeps (lowdiff.store.retention)
     max_pending_batches: int = 2
     overwrite: bool = False
+    full_copy: str = "background"       # Options.full_copy: "background" or "in_step"
     failure_rate_per_hour: float = 0.1
     max_recovery_s: float | None = None
     batch_memory_bytes: int = 256 * 2**20
