@@ -169,6 +169,14 @@ def test_stripe_dirs_are_checked():
         wrap_config(None, None, None, None, lowdiff.Tiers("/tmp/shared"), lowdiff.Options(stripe_dirs=("/a",)))
 
 
+def test_a_striped_directory_is_not_drained_to_a_shared_tier(striped, tmp_path):
+    directory, _ = striped
+    model, opt, sched, sampler = build()
+    with pytest.raises(ValueError, match="cannot be drained to a shared tier yet"):
+        wrap(str(directory), model, opt, sched, sampler, tiers=lowdiff.Tiers(str(tmp_path / "shared")))
+    assert not (tmp_path / "shared" / "MANIFEST.json").exists()
+
+
 def test_the_same_drive_twice_is_refused(tmp_path):
     model, opt, sched, sampler = build()
     with pytest.raises(ValueError, match="given twice"):
