@@ -41,7 +41,11 @@ class CheckpointSession:
             # (Partitioned: each rank drains its own rank directory; the join happens in there.)
             self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition)
         elif partition is None:
-            self.store = CheckpointStore(directory, config.retention)
+            self.store = CheckpointStore(directory, config.retention, stripe_dirs=config.stripe_dirs)
+        elif config.stripe_dirs:
+            raise ValueError(f"Options(stripe_dirs={config.stripe_dirs!r}) under torch.distributed: striping a rank "
+                             f"directory's full checkpoints is not supported yet (give each rank its own drive "
+                             f"through the checkpoint directory instead)")
         else:
             self.store = CheckpointStore(partition.directory, config.retention, complete=partition.complete)
             partition.join(self.store)

@@ -56,6 +56,7 @@ class WrapConfig:
     replica_inexact_gpu: bool = False  # replica mode: a CPU replica of a GPU model accepted (Replica.allow_inexact_gpu)
     tiers: Any = None         # lowdiff.tiers.Tiers: stage to a shared directory (None: one directory)
     differentials: bool | str = True   # record every step; False: full checkpoints only; "auto"
+    stripe_dirs: tuple = ()   # other devices' directories full checkpoints are striped over (Options.stripe_dirs)
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):

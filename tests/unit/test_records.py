@@ -401,7 +401,8 @@ def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
         "Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError",
         "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll",
-        "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingRankDirectoryError", "NoCheckpointError",
+        "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingDeviceError", "MissingRankDirectoryError",
+        "NoCheckpointError",
         "Options", "Replica", "ResumableLoader", "Tiers", "TopK", "VersionMismatchError",
         "init_process_group", "wrap"]
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
