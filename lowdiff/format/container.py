@@ -201,7 +201,7 @@ def _striped(cls, obj: dict, path: str):
     path, when present) checked."""
     if "stripes" in obj:
         obj = {**obj, "stripes": tuple(Stripe.from_json(path, s, i) for i, s in enumerate(obj["stripes"]))}
-    if "dir" in obj and not (isinstance(obj["dir"], str) and os.path.isabs(obj["dir"])):
+    if obj.get("dir") is not None and not (isinstance(obj["dir"], str) and os.path.isabs(obj["dir"])):
         raise ValueError(f"entry of {obj.get('file')!r}: dir {obj['dir']!r} is not an absolute path")
     return cls(**obj)
 

@@ -133,8 +133,9 @@ class StripeDevices:
                 names = os.listdir(directory)
             except FileNotFoundError:
                 continue
+            other = directory != self.directory
             out += [os.path.join(directory, n) for n in names
-                    if _dead_writer(STRIPE_TEMP_RE, n) or (directory != self.directory and _dead_writer(BATCH_TEMP_RE, n))]
+                    if _dead_writer(STRIPE_TEMP_RE, n) or (other and _dead_writer(BATCH_TEMP_RE, n))]
         return out
 
     def close(self) -> None:
