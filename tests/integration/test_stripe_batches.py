@@ -213,3 +213,50 @@ def test_sigkill_with_batches_on_the_drives_resumes_exactly(tmp_path, demo_refer
     assert cli.main(["verify", str(directory)]) == 0
     if fault == "batch-commit:5":   # the adopted batch carried the resume past step 9
         assert "resumed at step 9" in finished.stdout or "resumed at step 10" in finished.stdout
+
+
+# ------------------------------------------------------------------ storage tiers
+def test_a_striped_run_drains_to_a_shared_tier_that_resumes_alone(tmp_path, reference):
+    """Striped full checkpoints are drained as unstriped ones and batches from their drives: the
+    shared tier holds whole files only, and resumes exactly with the local drives gone."""
+    directory, devices, shared = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"], tmp_path / "shared"
+    _train(directory, devices, STEPS, tiers=lowdiff.Tiers(str(shared), shared=lowdiff.KeepAll()))
+    local, copied = _manifest(directory), _manifest(shared)
+    assert any(f["stripes"] for f in local["fulls"]) and any(b.get("dir") for b in local["batches"])
+    assert copied["fulls"] and all("stripes" not in f for f in copied["fulls"])
+    assert copied["batches"] and all("dir" not in b for b in copied["batches"])
+    assert {n for n in os.listdir(shared) if n.endswith((".ldf", ".ldd"))} == \
+        {e["file"] for e in copied["fulls"] + copied["batches"]}
+    assert not [n for n in os.listdir(shared) if n.endswith(".lds")]
+    for full in copied["fulls"]:   # an unstriped file: the payload in it, the same tensors
+        from lowdiff.format.fullckpt import read_full_index
+        index = read_full_index(str(shared / full["file"]))
+        assert not index.stripes and index.objects.offset == 4096 + index.payload_bytes
+        assert full["nbytes"] == (shared / full["file"]).stat().st_size
+    assert cli.main(["verify", str(shared)]) == 0
+    # The node's drives are gone: the shared tier alone resumes exactly.
+    for d in [directory, *devices]:
+        d.rename(d.with_name(d.name + "-gone"))
+    result, digest = resumed_digest(shared)
+    assert int(result) == STEPS and digest == reference[STEPS]
+    assert resumed_digest(shared, step=8) == (8, reference[8])
+
+
+def test_a_damaged_stripe_is_not_drained(tmp_path):
+    """A local stripe that fails its CRC-32C stops the drain with an error naming it; nothing of that
+    checkpoint appears in the shared tier."""
+    directory, devices, shared = tmp_path / "ckpt", [tmp_path / "nvme1"], tmp_path / "shared"
+    _train(directory, devices, 4)
+    full = max(_manifest(directory)["fulls"], key=lambda f: f["step"])
+    stripe = full["stripes"][1]
+    path = os.path.join(stripe["dir"], stripe["file"])
+    with open(path, "r+b") as f:
+        f.seek(5)
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    model, opt, sched, sampler = build()
+    with pytest.raises(Exception, match=stripe["file"]):   # (the drainer's error, at close)
+        opt = wrap(str(directory), model, opt, sched, sampler, tiers=lowdiff.Tiers(str(shared)),
+                   options=lowdiff.Options(stripe_dirs=tuple(map(str, devices))))
+        opt.close()
+    assert not (shared / full["file"]).exists()   # (nor a temporary file of it: the writer aborted)
+    assert not [n for n in os.listdir(shared) if n.startswith(f".{full['file']}")]
