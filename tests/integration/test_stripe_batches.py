@@ -164,7 +164,7 @@ def test_a_batch_on_a_missing_drive_is_refused_by_name_and_nothing_is_deleted(tm
 
 
 # ------------------------------------------------------------------ a real process, SIGKILLed
-def _demo(directory, devices, steps, digests, fault=None):
+def _demo(directory, devices, steps, digests, fault=None, shared=None):
     env = {k: v for k, v in os.environ.items() if k != "LOWDIFF_FAULT"}
     env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     if fault:
@@ -173,6 +173,8 @@ def _demo(directory, devices, steps, digests, fault=None):
             "--full-every", "5", "--batch-steps", "2", "--digests", str(digests)]
     for device in devices:
         args += ["--stripe-dir", str(device)]
+    if shared is not None:
+        args += ["--shared-dir", str(shared)]
     return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -260,3 +262,20 @@ def test_a_damaged_stripe_is_not_drained(tmp_path):
         opt.close()
     assert not (shared / full["file"]).exists()   # (nor a temporary file of it: the writer aborted)
     assert not [n for n in os.listdir(shared) if n.startswith(f".{full['file']}")]
+
+
+# drain-write:1: killed with the unstriped copy of the first (striped) full checkpoint written under
+# its temporary name in the shared tier; drain-commit:4: a copy committed there, not yet listed.
+@pytest.mark.parametrize("fault", ["drain-write:1", "drain-commit:4"])
+def test_sigkill_while_draining_a_striped_run_resumes_exactly(tmp_path, demo_reference, fault):
+    directory, devices, shared = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"], tmp_path / "shared"
+    digests = tmp_path / "digests.txt"
+    killed = _demo(directory, devices, 20, digests, fault=fault, shared=shared)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    finished = _demo(directory, devices, 20, digests, shared=shared)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert digests.read_text().splitlines()[-1].split() == ["20", demo_reference["20"]]
+    assert not [n for n in os.listdir(shared) if ".tmp-" in n or n.endswith(".lds")]
+    report = recovery.verify(str(shared))
+    assert report.ok and report.newest_recoverable == 20, report.problems
+    assert all("stripes" not in f for f in _manifest(shared)["fulls"])
