@@ -163,7 +163,8 @@ class Options:
     whose cores all train, a background copy takes a core from them (docs/measurements.md).
     ``stripe_dirs``: directories on other local drives (one each) that every full checkpoint's
     payload is striped over, together with the checkpoint directory, written and read on every
-    drive at once (docs/guide.md, "Several local drives"); empty: one directory."""
+    drive at once, and that differential batches go to in turn (docs/guide.md, "Several local
+    drives"); empty: one directory."""
 
     boundary: Literal["step", "manual"] = "step"
     max_pending_batches: int = 2
