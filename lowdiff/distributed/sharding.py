@@ -91,7 +91,7 @@ def _hsdp_parameters(model: torch.nn.Module) -> set:
             continue
         group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
         mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
-        if mesh is None or mesh.ndim != 2:
+        if group is None or mesh is None or mesh.ndim != 2:
             continue
         for fsdp_param in group.fsdp_params:
             p = fsdp_param.sharded_param

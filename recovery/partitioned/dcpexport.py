@@ -13,9 +13,10 @@ gradient chunks its optimizer consumed), and hands each share's chunks to DCP's 
 that rank would have written them (``__<rank>_0.distcp``), each chunk a SHARD at its global offsets;
 the replicated rest (AdamW's step counts, buffers, the groups, "lowdiff.step") goes with share 0, as
 DCP's planner dedups it; a chunk that an earlier share holds at the same offsets (HSDP: the ranks
-of a replicate group hold the same chunks) is written once, by the first. The metadata, built from every share's plan, is committed last. Memory holds
-one share's state at a time; ``dcp.load`` reads each new rank's chunk from the pieces that overlap it,
-at any world size, as after a DCP save by the job itself.
+of a replicate group hold the same chunks) is written once, by the first. The metadata, built from
+every share's plan, is committed last. Memory holds one share's state at a time; ``dcp.load`` reads
+each new rank's chunk from the pieces that overlap it, at any world size, as after a DCP save by the
+job itself.
 """
 from __future__ import annotations
 
