@@ -15,15 +15,20 @@ import torch.distributed as dist
 
 from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from lowdiff.store.inventory import take_inventory
+from lowdiff.format.batchfile import BatchReader
+from lowdiff.format.fullckpt import load_full
+from lowdiff.store.inventory import check_entry, take_inventory
 from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
-from lowdiff.tiers.bucket import stage
+from lowdiff.tiers.bucket import read_bucket
+from lowdiff.tiers.fetch import BucketFetch
 from lowdiff.tiers.marker import read_marker
-from lowdiff.tiers.objectstore import is_object_url
-from recovery.execute import Restored
+from lowdiff.tiers.objectstore import ObjectStore, S3Client, is_object_url, parse_s3_url
+from recovery.execute import Restored, execute
 from recovery.partitioned.plan import plan_sets
 from recovery.partitioned.restore import restore_partitioned
-from recovery.plan import checkpoint_directory, warn
+from recovery.pipeline.replay import replay
+from recovery.pipeline.streamed import StreamedChain
+from recovery.plan import Candidate, Loaded, Plan, checkpoint_directory, warn
 from recovery.restore import restore
 
 log = logging.getLogger("lowdiff")
@@ -122,26 +127,162 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
 
 def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | None, object_store,
                          **run) -> tuple[Restored | None, str, bool]:
-    """``restore_from_tiers`` with the shared tier in an object store: when the bucket's newest
-    commit reaches further than the local tier (or the local one is gone), the files it lists are
-    fetched into a temporary directory, each checked against the size and CRC-32C the commit names,
-    and the two directories are restored as plain tiers. A bucket that cannot be read is skipped
-    with a warning, as a damaged shared directory is."""
+    """``restore_from_tiers`` with the shared tier in an object store. The bucket's newest commit
+    is read and ranked against the local tier by the step it reaches; when it is restored, its
+    objects are fetched as the restore needs them (the full checkpoint, then the chain's batch
+    files a few ahead of the replay, each checked against the size and CRC-32C the commit names:
+    recovery.bucket). A bucket that cannot be read is skipped with a warning, as a damaged shared
+    directory is."""
+    errors: dict = {}
     try:
         local_reach = directory_reach(local, stop_step)
-    except (NoCheckpointError, CorruptCheckpointError, OSError):
-        local_reach = -1
+    except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+        local_reach, errors["local"] = -1, exc
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
         try:
-            stage(url, staging, worth=lambda manifest: manifest_reach(manifest, stop_step) > local_reach,
-                  options=object_store)
+            source = open_bucket(url, staging, object_store)
+            reach = manifest_reach(source.committed.manifest, stop_step) if source.committed else -1
         except (CheckpointError, OSError) as exc:
             warn(f"lowdiff: the shared tier {url} cannot be read: {exc}")
-        restored, tier, own = restore_from_tiers(local, staging, check_full=check_full, stop_step=stop_step, **run)
-    if restored is not None and tier == "shared":
-        restored = dataclasses.replace(restored, directory=url)
-        log.info("lowdiff: (the shared tier's files came from %s)", url)
+            return restore_from_tiers(local, staging, check_full=check_full, stop_step=stop_step, **run)
+        with source:
+            plan = TiersPlan((("local", local), ("shared", url)),
+                             ((("local", local_reach),) if "local" not in errors else ()) + (("shared", reach),))
+
+            def attempt(tier):
+                try:
+                    if tier == "local":
+                        return restore(local, check_full=check_full, stop_step=stop_step, **run), True
+                    return source.restore(check_full=check_full, stop_step=stop_step, **run), True
+                except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+                    errors[tier] = exc
+                    warn(f"lowdiff: the {tier} tier {plan.directory(tier)} cannot be resumed: {exc}")
+                    return None, True
+            restored, tier, own = _restore_furthest(plan, attempt, errors)
+    if restored is None and errors:
+        raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
+            f"{tier} tier {plan.directory(tier)}: {exc}" for tier, exc in errors.items()))
     return restored, tier, own
+
+
+def open_bucket(url: str, staging: str, options) -> BucketSource:
+    """The bucket ``url``'s newest commit, and a fetcher into ``staging`` (a new directory)."""
+    client = S3Client(parse_s3_url(url), options or ObjectStore())
+    return BucketSource(url, staging, client, read_bucket(client))
+
+
+class BucketSource:
+    """A bucket's newest commit as a tier to restore (``restore``: plan, then recovery.execute
+    with ``BucketLayout``); its objects are fetched into ``staging`` as the restore asks for them.
+    Everything said of them names their s3:// URL, never the staging path."""
+
+    def __init__(self, url: str, staging: str, client, committed):
+        self.url, self.staging, self.committed = url, staging, committed
+        self.fetch = BucketFetch(client, committed, staging, threads=client.options.max_concurrency) \
+            if committed is not None else None
+
+    def named(self, text: str) -> str:
+        return text.replace(os.path.join(self.staging, ""), f"{self.url}/")
+
+    def warn(self, message: str) -> None:
+        warn(self.named(message))
+
+    def restore(self, *, check_full, stop_step: int | None, apply_full, params_for, optimizer_for, workers=None,
+                into=None) -> Restored | None:
+        plan = self.plan(stop_step)
+        if plan is None:
+            return None
+        restored, _ = execute(plan, BucketLayout(self, check_full, into, workers), apply_full=apply_full,
+                              params_for=params_for, optimizer_for=optimizer_for)
+        return restored
+
+    def plan(self, stop_step: int | None) -> Plan | None:
+        """The frozen plan of the commit, by its manifest (the objects are checked as they arrive)."""
+        if self.committed is None:
+            return None
+        manifest = self.committed.manifest
+        if stop_step is not None and not manifest.retains(stop_step):
+            raise NoCheckpointError(f"{self.url}: step {stop_step} is not retained; {describe_retained(manifest)}")
+        fulls = sorted((f for f in manifest.fulls if stop_step is None or f.step <= stop_step),
+                       key=lambda f: f.step, reverse=True)
+        candidates = tuple(Candidate(f.step, f, chain_end(manifest, f.step, plan_chain(manifest, f.step)))
+                           for f in fulls)
+        if not candidates:
+            return None
+        if stop_step is not None and candidates[0].reach < stop_step:
+            raise NoCheckpointError(f"{self.url}: step {stop_step} cannot be rebuilt: the files after the full "
+                                    f"checkpoint of step {candidates[0].step} reach only step {candidates[0].reach}")
+        return Plan("bucket", self.url, stop_step, candidates, manifest.durable_step(), view=self.committed)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.fetch is not None:
+            self.fetch.close()
+        return False
+
+
+class BucketLayout:
+    """How recovery.execute reads a bucket's commit: a candidate's full checkpoint is fetched and
+    loaded, its chain is fetched while the replay runs (recovery.pipeline.streamed). With a target
+    step, the chain is fetched and checked before the full checkpoint is loaded, so a target its
+    files do not reach is refused before any live object changes."""
+
+    def __init__(self, source: BucketSource, check_full, into, workers: int | None):
+        self.source, self._check_full, self._into, self._workers = source, check_full, into, workers
+
+    def load(self, plan: Plan, position: int, skipped: list) -> Loaded | None:
+        source, fetch, full = self.source, self.source.fetch, plan.candidates[position].source
+        manifest = plan.view.manifest
+        entries = [e for e in plan_chain(manifest, full.step) if plan.target is None or e.first <= plan.target]
+        fetch.expect([full.file] + [e.file for e in entries])
+        chain = StreamedChain(entries, full.step, self._arrive, lambda e: fetch.url(e.file), source.warn)
+        where = fetch.url(full.file)
+        try:
+            if plan.target is not None and chain.reach() < plan.target:
+                raise CorruptCheckpointError(where, f"its chain's files reach only step {chain.reach()}, not "
+                                                    f"step {plan.target}")
+
+            def check(index, outline) -> None:
+                check_entry(where, full, index, os.path.getsize(path), manifest.run)
+                self._check_full(where, index, outline)
+            path = fetch.wait(full.file)
+            index, state = load_full(path, into=self._into() if self._into is not None else None, check=check)
+        except (CorruptCheckpointError, OSError, EOFError, LookupError) as exc:
+            chain.close()
+            why = source.named(f"full checkpoint {where} does not verify ({exc})")
+            skipped.append((full.file, why))
+            warn(f"lowdiff: {why}; falling back to an older one")
+            return None
+        except BaseException:
+            chain.close()
+            raise
+        return Loaded(index, state, full.file, (chain,))
+
+    def _arrive(self, entry) -> BatchReader:
+        where = self.source.fetch.url(entry.file)
+        reader = BatchReader(self.source.fetch.wait(entry.file))
+        reader.path = where    # what its messages name from now on
+        if reader.index is not None:
+            try:
+                check_entry(where, entry, reader.index, reader.size, self.source.committed.manifest.run)
+            except BaseException:
+                reader.close()
+                raise
+        return reader
+
+    def replay(self, plan: Plan, candidate: Candidate, loaded: Loaded, params: list, optimizer, times) -> tuple:
+        return replay(loaded.chain[0].pairs, candidate.step, params, optimizer, stop_step=plan.target,
+                      warn=self.source.warn, times=times, workers=self._workers)
+
+    def release(self, loaded: Loaded) -> None:
+        loaded.chain[0].close()
+
+    def none_verifies(self, plan: Plan, skipped: list) -> Exception:
+        return NoCheckpointError(f"{plan.directory}: no full checkpoint verifies" +
+                                 (f" at or before step {plan.target}" if plan.target is not None else "") +
+                                 ": " + "; ".join(why for _, why in skipped))
 
 
 def manifest_reach(manifest, stop_step: int | None) -> int:

@@ -235,3 +235,81 @@ def test_the_buckets_durable_step_is_what_a_resume_from_it_reaches(s3, tmp_path)
     shutil.rmtree(tmp_path / "local")
     model, plain = model_and_optimizer()
     assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url) == 10
+
+
+def test_resume_replays_while_the_chain_is_still_being_fetched(s3, tmp_path):
+    """Resume from the bucket alone starts replaying before the chain's last batch object is
+    fetched (issue #26: no download of everything first), and reaches the last step exactly. The
+    proxy's request log is read at the replay's first optimizer step: no timing."""
+    import torch
+
+    import recovery
+
+    seen_at_first_step: list = []
+    watching: list = []
+
+    class Watched(torch.optim.SGD):
+        def step(self, closure=None):
+            if watching and not seen_at_first_step:
+                seen_at_first_step.append(list(s3.proxy.seen))
+            return super().step(closure)
+
+    def model_and(optimizer_class):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        return model, optimizer_class(model.parameters(), lr=0.05, momentum=0.9)
+
+    url = f"s3://{s3.bucket}/stream"
+    model, opt = model_and(Watched)
+    opt = lowdiff.wrap(opt, model, tmp_path / "local", full_every=100, batch_steps=2, tiers=lowdiff.Tiers(url))
+    torch.manual_seed(1)
+    for _ in range(16):
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    shutil.rmtree(tmp_path / "local")
+
+    body = committed(s3, "stream/")
+    batches = sorted(body["manifest"]["manifest"]["batches"], key=lambda e: e["first"])
+    assert len(batches) == 8 and len(body["manifest"]["manifest"]["fulls"]) == 1
+    last = batches[-1]["file"]
+    model, plain = model_and(Watched)
+    s3.proxy.seen.clear()
+    watching.append(True)
+    assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, workers=1) == 16
+    gets = [line for line in seen_at_first_step[0] if line.startswith("GET") and "/stream/" in line]
+    assert any(batches[0]["file"] in line for line in gets)
+    assert not any(last in line for line in gets), gets          # replay began before the last fetch
+    assert any(last in line and line.startswith("GET") for line in s3.proxy.seen)   # and it came later
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(plain.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), moments))
+
+
+def test_what_resume_says_of_damaged_bucket_objects_names_their_s3_urls(s3, tmp_path, reference, caplog):
+    """The newest full checkpoint and the batch after it are damaged in the bucket: resume falls
+    back to the older full checkpoint and its chain ends before the damaged batch; every warning
+    names the object's s3:// URL, none the temporary directory it was fetched into."""
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    shutil.rmtree(tmp_path / "node1")
+    manifest = committed(s3, "run/")["manifest"]["manifest"]
+    newest = max(manifest["fulls"], key=lambda e: e["step"])
+    after = next(e for e in manifest["batches"] if e["first"] == newest["step"] + 1)
+    for name in (newest["file"], after["file"]):
+        data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"run/{name}")["Body"].read())
+        data[len(data) // 2] ^= 0xFF
+        s3.client.put_object(Bucket=s3.bucket, Key=f"run/{name}", Body=bytes(data))
+    caplog.set_level("INFO", logger="lowdiff")
+    out = train(str(tmp_path / "node2"), newest["step"], full_every=5, batch_steps=2, tiers=tiers,
+                log=lambda m: None)
+    assert out["start"] == newest["step"] and out["start"].full_step < newest["step"]
+    assert out["digests"] == {newest["step"]: reference[newest["step"]]}
+    said = [r.getMessage() for r in caplog.records if r.name == "lowdiff"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "lowdiff" and r.levelname == "WARNING"]
+    assert any(f"{url}/{newest['file']}" in m and "does not verify" in m for m in warned), warned
+    assert any(f"{url}/{after['file']}" in m and f"ends at step {newest['step']}" in m for m in warned), warned
+    assert not any("lowdiff-s3-" in m for m in said), said
