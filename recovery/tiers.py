@@ -230,39 +230,42 @@ class BucketLayout:
     files do not reach is refused before any live object changes."""
 
     def __init__(self, source: BucketSource, check_full, into, workers: int | None):
-        self.source, self._check_full, self._into, self._workers = source, check_full, into, workers
+        assert source.fetch is not None, "a bucket with a commit has a fetcher"
+        self.source, self.fetch, self._check_full, self._into, self._workers = \
+            source, source.fetch, check_full, into, workers
 
     def load(self, plan: Plan, position: int, skipped: list) -> Loaded | None:
-        source, fetch, full = self.source, self.source.fetch, plan.candidates[position].source
-        manifest = plan.view.manifest
+        fetch, full, manifest = self.fetch, plan.candidates[position].source, plan.view.manifest
         entries = [e for e in plan_chain(manifest, full.step) if plan.target is None or e.first <= plan.target]
         fetch.expect([full.file] + [e.file for e in entries])
-        chain = StreamedChain(entries, full.step, self._arrive, lambda e: fetch.url(e.file), source.warn)
+        chain = StreamedChain(entries, full.step, self._arrive, lambda e: fetch.url(e.file), self.source.warn)
         where = fetch.url(full.file)
+        why = None
         try:
-            if plan.target is not None and chain.reach() < plan.target:
-                raise CorruptCheckpointError(where, f"its chain's files reach only step {chain.reach()}, not "
-                                                    f"step {plan.target}")
+            if plan.target is not None and (reach := chain.reach()) < plan.target:
+                why = f"the files after the full checkpoint {where} reach only step {reach}"
+            else:
+                path = fetch.wait(full.file)
 
-            def check(index, outline) -> None:
-                check_entry(where, full, index, os.path.getsize(path), manifest.run)
-                self._check_full(where, index, outline)
-            path = fetch.wait(full.file)
-            index, state = load_full(path, into=self._into() if self._into is not None else None, check=check)
+                def check(index, outline) -> None:
+                    check_entry(where, full, index, os.path.getsize(path), manifest.run)
+                    self._check_full(where, index, outline)
+                index, state = load_full(path, into=self._into() if self._into is not None else None, check=check)
         except (CorruptCheckpointError, OSError, EOFError, LookupError) as exc:
-            chain.close()
-            why = source.named(f"full checkpoint {where} does not verify ({exc})")
-            skipped.append((full.file, why))
-            warn(f"lowdiff: {why}; falling back to an older one")
-            return None
+            why = self.source.named(f"full checkpoint {where} does not verify ({exc})")
         except BaseException:
             chain.close()
             raise
+        if why is not None:
+            chain.close()
+            skipped.append((full.file, why))
+            warn(f"lowdiff: {why}; falling back to an older one")
+            return None
         return Loaded(index, state, full.file, (chain,))
 
     def _arrive(self, entry) -> BatchReader:
-        where = self.source.fetch.url(entry.file)
-        reader = BatchReader(self.source.fetch.wait(entry.file))
+        where = self.fetch.url(entry.file)
+        reader = BatchReader(self.fetch.wait(entry.file))
         reader.path = where    # what its messages name from now on
         if reader.index is not None:
             try:

@@ -313,3 +313,40 @@ def test_what_resume_says_of_damaged_bucket_objects_names_their_s3_urls(s3, tmp_
     assert any(f"{url}/{newest['file']}" in m and "does not verify" in m for m in warned), warned
     assert any(f"{url}/{after['file']}" in m and f"ends at step {newest['step']}" in m for m in warned), warned
     assert not any("lowdiff-s3-" in m for m in said), said
+
+
+def test_a_step_the_buckets_files_cannot_reach_is_refused_before_the_model_changes(s3, tmp_path):
+    """resume(step=K) from the bucket alone fetches and checks the chain up to K before loading:
+    with the batch holding step K damaged it is refused and the live objects are untouched; an
+    earlier K the files reach is resumed."""
+    import torch
+
+    import recovery
+    from lowdiff.errors import NoCheckpointError
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    url = f"s3://{s3.bucket}/steps"
+    model, opt = model_and_optimizer()
+    opt = lowdiff.wrap(opt, model, tmp_path / "local", full_every=4, batch_steps=2,
+                       tiers=lowdiff.Tiers(url, shared=KeepLast(2)))
+    for _ in range(10):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    shutil.rmtree(tmp_path / "local")
+    manifest = committed(s3, "steps/")["manifest"]["manifest"]
+    damaged = next(e for e in manifest["batches"] if e["first"] <= 10 <= e["last"])["file"]
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"steps/{damaged}")["Body"].read())
+    data[-100] ^= 0xFF
+    s3.client.put_object(Bucket=s3.bucket, Key=f"steps/{damaged}", Body=bytes(data))
+    model, plain = model_and_optimizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NoCheckpointError, match=re.escape(f"{url}/")):
+        recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, step=10)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not plain.state
+    assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, step=8) == 8
