@@ -297,6 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, OSError, ValueError) as exc:
+    except (CheckpointError, OSError, ValueError, ImportError) as exc:   # ImportError: an extra not installed
         print(f"error: {exc}", file=sys.stderr)
         return 2

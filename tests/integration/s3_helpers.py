@@ -26,10 +26,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_server():
-    """The URL of a fresh moto server (small multipart parts allowed, so tests stay small)."""
+def moto_server(**settings: str):
+    """The URL of a fresh moto server (small multipart parts allowed, so tests stay small);
+    ``settings``: more of moto's environment (``INITIAL_NO_AUTH_ACTION_COUNT``: requests served
+    before IAM policies are enforced)."""
     port = free_port()
-    env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": "1"}
+    env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": "1", **settings}
     process = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
