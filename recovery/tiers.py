@@ -133,6 +133,9 @@ def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | N
     files a few ahead of the replay, each checked against the size and CRC-32C the commit names:
     recovery.bucket). A bucket that cannot be read is skipped with a warning, as a damaged shared
     directory is."""
+    if is_partitioned(local):
+        raise CheckpointError(f"{local} is partitioned (written under torch.distributed): its shared tier cannot be "
+                              f"the object store {url} (a partitioned run cannot drain into one yet)")
     errors: dict = {}
     try:
         local_reach = directory_reach(local, stop_step)
