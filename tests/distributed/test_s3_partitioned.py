@@ -18,7 +18,7 @@ from s3_helpers import listing, s3, s3_server  # noqa: E402,F401 (fixtures)
 from test_partitioned_tiers import start_ranks, wait  # noqa: E402
 
 
-def test_a_partitioned_run_with_an_s3_tier_is_refused_by_wrap_and_resume(s3, tmp_path, monkeypatch):
+def test_a_partitioned_run_with_an_s3_tier_is_refused_by_wrap_and_resume(s3, tmp_path, monkeypatch):  # noqa: F811
     url = f"s3://{s3.bucket}/ddp"
     monkeypatch.chdir(tmp_path)
     (results,) = wait(start_ranks(tmp_path / "local", url, tmp_path / "run", 2), timeout=120)
