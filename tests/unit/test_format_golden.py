@@ -18,8 +18,8 @@ import fastio
 import recovery
 from lowdiff.control.controlstate import read_state, write_state
 from lowdiff.format import container
-from lowdiff.format.container import BucketManifest
 from lowdiff.format.batchfile import write_batch
+from lowdiff.format.container import BucketManifest
 from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import StepRecord, encode_record
 from lowdiff.format.schema import FORMAT_VERSION, Section, TensorEntry, TrainedWith
