@@ -22,7 +22,7 @@ from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
 from lowdiff.tiers.bucket import read_bucket
 from lowdiff.tiers.fetch import BucketFetch
 from lowdiff.tiers.marker import read_marker
-from lowdiff.tiers.objectstore import ObjectStore, S3Client, is_object_url, parse_s3_url
+from lowdiff.tiers.objectstore import ObjectStore, ObjectStoreError, S3Client, is_object_url, parse_s3_url
 from recovery.execute import Restored, execute
 from recovery.partitioned.plan import plan_sets
 from recovery.partitioned.restore import restore_partitioned
@@ -157,6 +157,12 @@ def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | N
                     if tier == "local":
                         return restore(local, check_full=check_full, stop_step=stop_step, **run), True
                     return source.restore(check_full=check_full, stop_step=stop_step, **run), True
+                except ObjectStoreError as exc:
+                    if tier == "shared" and not exc.missing:
+                        raise   # the bucket chosen cannot be reached now: not a reason to resume older
+                    errors[tier] = exc
+                    warn(f"lowdiff: the {tier} tier {plan.directory(tier)} cannot be resumed: {exc}")
+                    return None, True
                 except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
                     errors[tier] = exc
                     warn(f"lowdiff: the {tier} tier {plan.directory(tier)} cannot be resumed: {exc}")
@@ -241,7 +247,8 @@ class BucketLayout:
         fetch, full, manifest = self.fetch, plan.candidates[position].source, plan.view.manifest
         entries = [e for e in plan_chain(manifest, full.step) if plan.target is None or e.first <= plan.target]
         fetch.expect([full.file] + [e.file for e in entries])
-        chain = StreamedChain(entries, full.step, self._arrive, lambda e: fetch.url(e.file), self.source.warn)
+        chain = StreamedChain(entries, full.step, self._arrive, lambda e: fetch.url(e.file), self.source.warn,
+                              fatal=_unreachable)
         where = fetch.url(full.file)
         why = None
         try:
@@ -255,6 +262,9 @@ class BucketLayout:
                     self._check_full(where, index, outline)
                 index, state = load_full(path, into=self._into() if self._into is not None else None, check=check)
         except (CorruptCheckpointError, OSError, EOFError, LookupError) as exc:
+            if _unreachable(exc):
+                chain.close()
+                raise
             why = self.source.named(f"full checkpoint {where} does not verify ({exc})")
         except BaseException:
             chain.close()
@@ -289,6 +299,13 @@ class BucketLayout:
         return NoCheckpointError(f"{plan.directory}: no full checkpoint verifies" +
                                  (f" at or before step {plan.target}" if plan.target is not None else "") +
                                  ": " + "; ".join(why for _, why in skipped))
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store could not be reached or refused us (after the client's
+    retries), not that an object is missing or damaged: resume then fails with it instead of
+    passing the object over (an older state resumed on would drop the bucket's newer commits)."""
+    return isinstance(exc, ObjectStoreError) and not exc.missing
 
 
 def manifest_reach(manifest, stop_step: int | None) -> int:

@@ -5,7 +5,8 @@ the replay first reaches it, waiting for its download then (``arrive(entry) -> B
 The first file that cannot be had (its download failed its checks, the object is gone, its index
 is not what the manifest says) ends the chain there, as a missing file ends a directory's chain:
 a warning names it, its reader and every later one hold no records, so the replay stops at the
-last step before it and no later file is fetched.
+last step before it and no later file is fetched. An error ``fatal(exc)`` says is no property of
+the file (the store cannot be reached) is raised instead: the chain's files may well be fine.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class StreamedChain:
     waits for an entry's file and returns it open and checked (raising what went wrong);
     ``where(entry)`` is what messages call it (its s3:// URL)."""
 
-    def __init__(self, entries: list, base_step: int, arrive, where, warn):
-        self._arrive, self._where, self._warn = arrive, where, warn
+    def __init__(self, entries: list, base_step: int, arrive, where, warn, fatal=lambda exc: False):
+        self._arrive, self._where, self._warn, self._fatal = arrive, where, warn, fatal
         self.base_step = base_step
         self.ended = False
         self.pairs = [(entry, _ArrivingBatch(self, entry)) for entry in entries]
@@ -34,6 +35,8 @@ class StreamedChain:
         try:
             return self._arrive(entry)
         except (CorruptCheckpointError, VersionMismatchError, OSError, EOFError, LookupError) as exc:
+            if self._fatal(exc):
+                raise
             self.ended = True
             self._warn(f"lowdiff: {exc}; the chain from step {self.base_step} ends at step {entry.first - 1}")
             return None

@@ -350,3 +350,24 @@ def test_a_step_the_buckets_files_cannot_reach_is_refused_before_the_model_chang
         recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, step=10)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not plain.state
     assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, step=8) == 8
+
+
+def test_a_bucket_that_stops_answering_during_resume_fails_it_and_keeps_its_commits(s3, tmp_path):
+    """A batch object that cannot be fetched because the store stops answering (connections
+    dropped past the deadline) is not passed over like a damaged one: resume raises, naming it,
+    and the bucket keeps every object of its commit (an older state resumed on would have made the
+    next commits drop them)."""
+    from lowdiff.tiers.objectstore import ObjectStoreError
+
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2), object_store=ObjectStore(deadline_s=1))
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    shutil.rmtree(tmp_path / "node1")
+    before = listing(s3.client, s3.bucket, "run/")
+    manifest = committed(s3, "run/")["manifest"]["manifest"]
+    newest = max(manifest["fulls"], key=lambda e: e["step"])
+    after = next(e for e in manifest["batches"] if e["first"] == newest["step"] + 1)["file"]
+    s3.proxy.fail("drop", 10_000, f"/run/{after}")
+    with pytest.raises(ObjectStoreError, match=re.escape(f"reading {after} from {url} failed: cannot reach")):
+        train(str(tmp_path / "node2"), 14, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    assert listing(s3.client, s3.bucket, "run/") == before
