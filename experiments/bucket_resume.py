@@ -92,7 +92,7 @@ def streamed(args, url: str, scratch: str) -> tuple[dict, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=60, help="steps trained (the chain resume replays)")
