@@ -371,3 +371,29 @@ def test_a_bucket_that_stops_answering_during_resume_fails_it_and_keeps_its_comm
     with pytest.raises(ObjectStoreError, match=re.escape(f"reading {after} from {url} failed: cannot reach")):
         train(str(tmp_path / "node2"), 14, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
     assert listing(s3.client, s3.bucket, "run/") == before
+
+
+def test_the_cli_names_bucket_objects_by_url_not_by_the_directory_they_were_fetched_into(s3, tmp_path, capsys):
+    import sys
+
+    from lowdiff.cli.main import main
+
+    url = f"s3://{s3.bucket}/run"
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=lowdiff.Tiers(url, shared=KeepLast(2)),
+          log=lambda m: None)
+    manifest = committed(s3, "run/")["manifest"]["manifest"]
+    damaged = next(e for e in manifest["batches"] if e["last"] == 12)["file"]
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"run/{damaged}")["Body"].read())
+    data[100] ^= 0xFF
+    s3.client.put_object(Bucket=s3.bucket, Key=f"run/{damaged}", Body=bytes(data))
+    stdout = sys.stdout
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert f"directory      {url}\n" in out and "lowdiff-s3-" not in out
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"corrupt  {damaged}: {url}/{damaged}: is " in out and "1 do not" in out and "lowdiff-s3-" not in out
+    assert main(["export", url, "--step", "12", "-o", str(tmp_path / "s12.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {url}: step 12 is not retained" in err, err
+    assert sys.stdout is stdout
