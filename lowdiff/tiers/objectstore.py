@@ -228,6 +228,21 @@ class S3Client:
                 return found
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
+    def children(self, start: str = "") -> list:
+        """The names beginning with ``start`` of the "folders" directly under the prefix (keys
+        holding a further "/"), found by listing the keys under ``prefix/start`` (no delimiter:
+        some S3-compatible servers mis-sign a query holding "/")."""
+        head = self.url.key("")
+        found: set = set()
+        kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Prefix": head + start}
+        while True:
+            page = self.call("listing", "list_objects_v2", **kwargs)
+            found |= {rest.split("/", 1)[0] for item in page.get("Contents", [])
+                      if "/" in (rest := item["Key"][len(head):])}
+            if not page.get("IsTruncated"):
+                return sorted(found)
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
     def delete(self, names) -> None:
         names = list(names)
         for first in range(0, len(names), 1000):

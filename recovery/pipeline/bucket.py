@@ -7,6 +7,8 @@ temporary directory it was fetched into.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
@@ -22,7 +24,7 @@ from recovery.pipeline.replay import replay
 from recovery.pipeline.streamed import StreamedChain
 from recovery.plan import Candidate, Loaded, Plan, warn
 
-__all__ = ["BucketLayout", "BucketSource", "ObjectStoreError", "open_bucket", "unreachable"]
+__all__ = ["BucketLayout", "BucketSource", "ObjectStoreError", "open_bucket", "unreachable", "urls_named"]
 
 
 def open_bucket(url: str, staging: str, options) -> BucketSource:
@@ -157,3 +159,29 @@ def unreachable(exc: BaseException) -> bool:
     retries), not that an object is missing or damaged: resume then fails with it instead of
     passing the object over (an older state resumed on would drop the bucket's newer commits)."""
     return isinstance(exc, ObjectStoreError) and not exc.missing
+
+
+class _Named(logging.Filter):
+    def __init__(self, roots, url: str):
+        super().__init__()
+        self.roots, self.url = roots, url
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if any(root in text for root in self.roots):
+            for root in self.roots:
+                text = text.replace(os.path.join(root, ""), f"{self.url}/").replace(root, self.url)
+            record.msg, record.args = text, ()
+        return True
+
+
+@contextlib.contextmanager
+def urls_named(roots, url: str):
+    """While restoring from ``roots`` (directories a bucket's commits were fetched into: this
+    rank's, and rank 0's, which plans for every rank), lowdiff's log records name ``url``."""
+    named = _Named(tuple(roots), url)
+    logging.getLogger("lowdiff").addFilter(named)
+    try:
+        yield
+    finally:
+        logging.getLogger("lowdiff").removeFilter(named)

@@ -1,39 +1,71 @@
-"""A partitioned run (torch.distributed, a rank directory per rank) with its shared tier in an
-object store is refused, clearly and alike on every rank, by wrap (2 real gloo ranks against a
-real moto server) and by resume: the partitioned layout cannot drain into a bucket yet (the
-bucket's retention would have to count complete sets across the ranks' prefixes)."""
+"""A partitioned run (torch.distributed: a rank directory per rank) with its shared tier in an
+object store, on real gloo processes (tiers_worker.py) against a real moto server behind the
+tests' proxy: each rank drains into ``s3://bucket/prefix/rank-NNNNN``; the bucket keeps the sets
+its policy says (counting the sets every rank's commit lists); with the nodes' local tiers gone,
+resume from the bucket alone gives the uninterrupted run's state exactly, in one process and with
+2 ranks. A single-process run cannot drain into the partitioned prefix (nor the reverse)."""
 import os
+import shutil
 import sys
 
 import pytest
 import torch
 
+import lowdiff
 import recovery
 from lowdiff.errors import CheckpointError
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "integration"))
 import partition_worker  # noqa: E402
-from s3_helpers import listing, s3, s3_server  # noqa: E402,F401 (fixtures)
-from test_partitioned_tiers import start_ranks, wait  # noqa: E402
+from s3_helpers import listing, open_uploads, s3, s3_server  # noqa: E402,F401 (fixtures)
+from test_partitioned_tiers import STEPS, digests, ok, start_ranks, wait  # noqa: E402
 
 
-def test_a_partitioned_run_with_an_s3_tier_is_refused_by_wrap_and_resume(s3, tmp_path, monkeypatch):  # noqa: F811
+def fulls_of(ns, prefix: str) -> list:
+    import json
+
+    keys = [k for k in listing(ns.client, ns.bucket, prefix) if "/MANIFEST-" in k and k.count("/") == 2]
+    assert len(keys) == 1, keys
+    body = json.loads(ns.client.get_object(Bucket=ns.bucket, Key=keys[0])["Body"].read())["bucket_manifest"]
+    return sorted(f["step"] for f in body["manifest"]["manifest"]["fulls"])
+
+
+def test_a_partitioned_run_drains_into_a_bucket_and_resumes_from_it_alone_exactly(s3, tmp_path):  # noqa: F811
     url = f"s3://{s3.bucket}/ddp"
-    monkeypatch.chdir(tmp_path)
-    (results,) = wait(start_ranks(tmp_path / "local", url, tmp_path / "run", 2), timeout=120)
-    for code, err in results:
-        assert code != 0 and "a partitioned run (torch.distributed) cannot drain into an object store" in err, err
-    assert listing(s3.client, s3.bucket, "ddp/") == {}          # nothing written to the bucket
-    assert not (tmp_path / "s3:").exists()
-    # A partitioned directory (the uninterrupted run of partition_worker, 2 ranks) and an s3://
-    # shared tier given to resume: refused before anything is read.
-    from partition_runs import launch, ok
-    ok(launch(tmp_path / "ckpt", tmp_path / "ref", 2, steps=4))
+    # Two nodes: each rank's local tier in a root of its own (neither sees the other's), so the
+    # local tiers learn which sets are complete from the bucket.
+    local = tmp_path / "node{rank}"
+    (run,) = wait(start_ranks(local, url, tmp_path / "run", 2), timeout=240)
+    ok(run)
+    ref = [digests(tmp_path / f"run-{rank}.txt")[2] for rank in range(2)]
+    assert ref[0][STEPS][0] != ref[1][STEPS][0]      # per-rank state differs: equal digests are a real check
+    for rank in range(2):
+        # keep-last 2 counting complete sets (full sets every 4 steps: 0, 4, 8, 12); a rank whose
+        # last share was committed before the other's completed the set keeps one older.
+        fulls = fulls_of(s3, f"ddp/rank-{rank:05d}/")
+        assert fulls[-2:] == [8, 12] and len(fulls) <= 3, fulls
+    assert open_uploads(s3.client, s3.bucket) == []
+    for rank in range(2):
+        shutil.rmtree(str(local).format(rank=rank))     # the nodes are replaced
+    # Another world size: one process, a plain optimizer, the shares of 2 ranks.
     torch.manual_seed(0)
     model = partition_worker.Net(unused=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match="is partitioned .* cannot be the object store"):
-        recovery.resume(tmp_path / "ckpt", model, opt, shared_dir=url)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    resumed = recovery.resume(tmp_path / "alone", model, opt, shared_dir=url)
+    assert (int(resumed), resumed.tier, resumed.directory) == (STEPS, "shared", url)
+    assert partition_worker.shared_digest(model, opt) == ref[0][STEPS][1]
+    assert not (tmp_path / "alone").exists()
+    # The same world size: 2 ranks on two new nodes resume from the bucket alone.
+    (again,) = wait(start_ranks(tmp_path / "new{rank}", url, tmp_path / "resumed", 2, "--resume-only"), timeout=240)
+    err = ok(again)
+    assert "lowdiff-s3-" not in err, err
+    for rank in range(2):
+        start, tier, got = digests(tmp_path / f"resumed-{rank}.txt")
+        assert (start, tier) == (STEPS, "shared")
+        assert got[STEPS] == ref[rank][STEPS], f"rank {rank}: state at step {STEPS} differs"
+    # One prefix, one layout: a single-process run is refused the partitioned prefix.
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="is partitioned"):
+        lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, tmp_path / "single",
+                     tiers=lowdiff.Tiers(url))
