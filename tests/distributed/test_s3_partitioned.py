@@ -3,7 +3,8 @@ object store, on real gloo processes (tiers_worker.py) against a real moto serve
 tests' proxy: each rank drains into ``s3://bucket/prefix/rank-NNNNN``; the bucket keeps the sets
 its policy says (counting the sets every rank's commit lists); with the nodes' local tiers gone,
 resume from the bucket alone gives the uninterrupted run's state exactly, in one process and with
-2 ranks. A single-process run cannot drain into the partitioned prefix (nor the reverse)."""
+2 ranks, also after a SIGKILL of the run. A single-process run cannot drain into the partitioned
+prefix (nor the reverse)."""
 import os
 import shutil
 import sys
@@ -36,8 +37,13 @@ def test_a_partitioned_run_drains_into_a_bucket_and_resumes_from_it_alone_exactl
     # Two nodes: each rank's local tier in a root of its own (neither sees the other's), so the
     # local tiers learn which sets are complete from the bucket.
     local = tmp_path / "node{rank}"
-    (run,) = wait(start_ranks(local, url, tmp_path / "run", 2), timeout=240)
+    # Beside it, the same run SIGKILLed (rank 1, and then rank 0) after step 10, into another prefix.
+    crashed_url, crashed_local = f"s3://{s3.bucket}/crashed", tmp_path / "crashed{rank}"
+    run, crashed = wait(start_ranks(local, url, tmp_path / "run", 2),
+                        start_ranks(crashed_local, crashed_url, tmp_path / "crashed", 2, "--crash-at", "10",
+                                    "--crash-ranks", "1"), timeout=300)
     ok(run)
+    assert crashed[1][0] == -9
     ref = [digests(tmp_path / f"run-{rank}.txt")[2] for rank in range(2)]
     assert ref[0][STEPS][0] != ref[1][STEPS][0]      # per-rank state differs: equal digests are a real check
     for rank in range(2):
@@ -64,6 +70,20 @@ def test_a_partitioned_run_drains_into_a_bucket_and_resumes_from_it_alone_exactl
         start, tier, got = digests(tmp_path / f"resumed-{rank}.txt")
         assert (start, tier) == (STEPS, "shared")
         assert got[STEPS] == ref[rank][STEPS], f"rank {rank}: state at step {STEPS} differs"
+    # The killed run's nodes are replaced: it resumes from its bucket alone, at a step it had
+    # committed there, exactly, and trains on to the uninterrupted run's final state.
+    for rank in range(2):
+        shutil.rmtree(str(crashed_local).format(rank=rank))
+    (after,) = wait(start_ranks(tmp_path / "later{rank}", crashed_url, tmp_path / "after", 2), timeout=240)
+    ok(after)
+    for rank in range(2):
+        start, tier, got = digests(tmp_path / f"after-{rank}.txt")
+        # (the bucket lags the local tiers by what was still being uploaded at the kill: this run's
+        # resumed at step 4 here; on a loaded machine it may be less)
+        assert start <= 10 and (tier == "shared" or start == 0), (start, tier)
+        assert got[start] == ref[rank][start] and got[STEPS] == ref[rank][STEPS], f"rank {rank} differs"
+        assert fulls_of(s3, f"crashed/rank-{rank:05d}/")[-2:] == [8, 12]
+    assert open_uploads(s3.client, s3.bucket) == []
     # One prefix, one layout: a single-process run is refused the partitioned prefix.
     model = torch.nn.Linear(2, 2)
     with pytest.raises(CheckpointError, match="is partitioned"):
