@@ -100,12 +100,16 @@ def _fetched(path: str):
     if not is_object_url(path):
         yield path, []
         return
-    from lowdiff.tiers.bucket import stage
+    from lowdiff.tiers.bucket import bucket_layout, stage, stage_partitioned
 
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
         _FETCHED.append((staging, path.rstrip("/")))
-        manifest, problems = stage(path, staging)
-        if manifest is None:
+        if bucket_layout(path) == "partitioned":   # rank-NNNNN/ prefixes: a partitioned directory
+            committed, problems = True, stage_partitioned(path, staging)
+        else:
+            manifest, problems = stage(path, staging)
+            committed = manifest is not None
+        if not committed:
             raise CheckpointError(f"{path} holds no committed lowdiff checkpoint (no MANIFEST-N.json object)")
         print(f"note: the objects the newest commit of {path} names were fetched into {staging}", file=sys.stderr)
         yield staging, problems
