@@ -349,9 +349,12 @@ def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
                              tiers.object_store, verify=tiers.verify_copies, complete=in_shared)
         failed = None
         try:
+            # (a prefix of the other layout fails wrap: every rank finds the same)
             check_bucket_layout(url, partition is not None, tiers.object_store)
             shared.open()
-        except OSError as exc:
+        except (OSError, CorruptCheckpointError) as exc:
+            # A bucket that cannot be used now, or whose newest commit is damaged, fails the drain
+            # (on this rank: the others still reach the collective below), not wrap.
             exc.add_note(f"lowdiff: the shared tier {url} cannot be opened; the local tier "
                          f"{local.directory} keeps its checkpoints")
             failed = exc

@@ -397,3 +397,20 @@ def test_the_cli_names_bucket_objects_by_url_not_by_the_directory_they_were_fetc
     err = capsys.readouterr().err
     assert f"error: {url}: step 12 is not retained" in err, err
     assert sys.stdout is stdout
+
+
+def test_a_damaged_bucket_commit_fails_the_drain_not_wrap(s3, tmp_path):
+    """The bucket's newest manifest object damaged: wrap and resume (from the local tier) go
+    through, and the error, naming the manifest's URL, comes at the first step, as a write error
+    does (under torch.distributed every rank then still reaches wrap's collective)."""
+    from lowdiff.errors import CorruptCheckpointError
+
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 6, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    key = next(k for k in listing(s3.client, s3.bucket, "run/") if MANIFEST_RE.search(k))
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"{not json")
+    said: list = []
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"s3://{s3.bucket}/{key}")) as raised:
+        train(str(tmp_path / "node1"), 8, full_every=5, batch_steps=2, tiers=tiers, log=said.append)
+    assert said[0] == "tier local" and "keeps its checkpoints" in " ".join(raised.value.__notes__)
