@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = "/tmp/lowdiff-site"          # where a carried zstandard wheel is unpacked
 TOTAL_S = 470                       # the whole check; each part gets min(its budget, what is left)
 PARTS = {  # name: budget in seconds, in running order (the most expendable last)
-    "build": 90, "tests": 150, "overhead-124m": 70, "stall": 35, "replay": 40, "overhead-350m": 85,
+    "build": 90, "tests": 150, "overhead-124m": 90, "stall": 60, "replay": 45, "overhead-350m": 150,
 }
 TOPK_RATIO = 0.01
 FULL_EVERY_N = 10                   # torch.save / DCP / lowdiff full checkpoints "every N"
@@ -141,6 +141,22 @@ class Loop:
         if self.device.type == "cuda":
             self.torch.cuda.current_stream().synchronize()
 
+    def timed_steps(self, opt, steps: int, before_step=None) -> list:
+        """Train ``steps`` steps through ``opt``; each one's wall time (ms), from a synchronised
+        start to its end on the compute stream. ``before_step()`` runs untimed before each."""
+        times = []
+        for s in range(steps):
+            if before_step is not None:
+                before_step()
+            self.sync()
+            t0 = time.perf_counter()
+            self.forward_backward(s)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
     def state_tensors(self, opt) -> list:
         tensors = [p.detach() for p in self.model.parameters()] + list(self.model.buffers())
         return tensors + [v for st in opt.state.values() for v in st.values() if self.torch.is_tensor(v)]
@@ -179,7 +195,10 @@ def part_overhead(preset: str, cpu: bool, rows: list) -> None:
     import lowdiff
     loop = Loop(preset, cpu)
     torch = loop.torch
-    warm, timed = (2, 6) if cpu else (3, 20 if preset == "124m" else 12)   # 350M: a model's bytes take longer
+    # Warm-up past three batches of records (the most the writer holds: max_pending_batches + the one
+    # being filled): until then each step's record takes new pinned host memory (cudaHostAlloc, slow)
+    # that later steps reuse from torch's caching host allocator.
+    warm, timed = (2, 6) if cpu else (35, 20 if preset == "124m" else 12)   # 350M: a model's bytes take longer
     configs = ["plain", "topk-only", "lowdiff-topk", f"lowdiff-topk-full{FULL_EVERY_N}", "lowdiff-dense",
                f"torch.save/{FULL_EVERY_N}", f"dcp-async/{FULL_EVERY_N}"]
     if not torch.distributed.is_initialized():   # DCP needs a process group, even of one
@@ -191,9 +210,10 @@ def part_overhead(preset: str, cpu: bool, rows: list) -> None:
     rows.append({"part": f"overhead-{preset}", "config": "model", "metric": "params", "value": loop.nparams})
     for name in configs:
         steps = timed if name != "lowdiff-dense" else max(4, timed // 2)   # dense: a model's bytes per step
+        warm_steps = warm if name != "lowdiff-dense" else min(warm, 3)
         with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_CHECK_DISK")) as work:
             try:
-                times = _time_config(loop, name, Path(work), warm, steps, lowdiff)
+                times = _time_config(loop, name, Path(work), warm_steps, steps, lowdiff)
             except Exception as exc:  # one configuration failing must not hide the others
                 log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
                 rows.append({"part": f"overhead-{preset}", "config": name, "metric": "error", "value": repr(exc)})
@@ -249,37 +269,55 @@ def _wait_dcp(handle) -> None:
 
 def part_stall(cpu: bool, rows: list) -> None:
     """The training thread's stall per full checkpoint (lowdiff's own measure: staging plus the wait
-    at the next step) and the iterations that contain one, vs one pinned D2H copy of the state."""
+    at the next step) and the iterations that contain one, vs one pinned D2H copy of the state.
+
+    Every ``every`` steps, where ``every`` leaves the disk time to write one checkpoint before the
+    next (a fixed interval shorter than the write makes the next full checkpoint wait for the disk,
+    whatever the copy costs; with the controller choosing the interval, lowdiff puts such a one
+    off instead: the row "auto" counts those)."""
     import lowdiff
     loop = Loop("124m", cpu)
-    every = 4
+    every = 4 if cpu else 32   # on the H100 of 2026-11-26 a 1.4 GiB write took 1.0 s, 18 steps
     with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_CHECK_DISK")) as work:
         raw = loop.fresh_optimizer()
         opt = lowdiff.wrap(raw, loop.model, work, compressor=lowdiff.TopK(ratio=TOPK_RATIO), full_every=every,
                            batch_steps=every)
-        times = []
         try:
-            for s in range(4 * every + 2 if cpu else 6 * every + 2):
-                loop.sync()
-                t0 = time.perf_counter()
-                loop.forward_backward(s)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loop.sync()
-                times.append((time.perf_counter() - t0) * 1e3)
+            times = loop.timed_steps(opt, 4 * every + 2 if cpu else 5 * every + 2)
             stats = opt.stats()
         finally:
             opt.close()
         copy_ms, state_bytes = loop.pinned_copy_ms(raw)
+        deferred = _auto_deferrals(loop, Path(work) / "auto", lowdiff, 12 if cpu else 40)
     # Steps k*every (1-based) take a full checkpoint; the next one waits for its copy.
     with_full = [max(times[k - 1], times[k]) for k in range(2 * every, len(times) - 1, every)]
     plain = [t for i, t in enumerate(times[every:], every) if (i + 1) % every not in (0, 1)]
     stall = stats.get("full_stall_median_ms") or float("nan")
-    log(f"  stall per full {stall:.2f} ms; pinned D2H copy {copy_ms:.2f} ms of {state_bytes / 2**20:.0f} MiB")
+    log(f"  stall per full {stall:.2f} ms; pinned D2H copy {copy_ms:.2f} ms of {state_bytes / 2**20:.0f} MiB; "
+        f"persist {stats.get('full_persist_median_ms') or float('nan'):.0f} ms; auto interval: {deferred}")
     for metric, value in (("stall_per_full_ms", stall), ("pinned_d2h_copy_ms", copy_ms),
                           ("state_bytes", state_bytes), ("iteration_with_full_ms", statistics.median(with_full)),
-                          ("iteration_plain_ms", statistics.median(plain))):
+                          ("iteration_plain_ms", statistics.median(plain)), ("every", every),
+                          ("persist_ms", stats.get("full_persist_median_ms") or float("nan"))):
         rows.append({"part": "stall", "config": "lowdiff-topk", "metric": metric, "value": value})
+    for metric, value in deferred.items():
+        rows.append({"part": "stall", "config": "auto", "metric": metric, "value": value})
+
+
+def _auto_deferrals(loop: Loop, directory: Path, lowdiff, steps: int) -> dict:
+    """With the controller choosing the interval and it pinned short (every 2 steps, far shorter
+    than a write of the state), how many due full checkpoints were put off and how many taken,
+    and the median step: training does not wait for the disk."""
+    raw = loop.fresh_optimizer()
+    opt = lowdiff.wrap(raw, loop.model, str(directory), compressor=lowdiff.TopK(ratio=TOPK_RATIO),
+                       schedule=lowdiff.Auto(full_every="auto", batch_steps=8))
+    try:
+        times = loop.timed_steps(opt, steps, before_step=lambda: setattr(opt.controller, "full_every", 2))
+        stats = opt.stats()
+    finally:
+        opt.close()
+    return {"deferred": stats["fulls_deferred"], "taken": stats.get("full_persist_count") or 0,
+            "step_ms": statistics.median(times[4:])}
 
 
 def part_replay(cpu: bool, rows: list) -> None:
@@ -313,6 +351,13 @@ def part_replay(cpu: bool, rows: list) -> None:
                 torch.cuda.synchronize()
             durations[target] = (time.perf_counter() - t0) * 1e3
         exact = all(torch.equal(a, b) for a, b in zip(trained, _flat_state(loop, fresh)))
+        by_workers = {}
+        for workers in (1, 2, 4, 8):   # the default's choice, measured: replay wall per record
+            fresh = loop.fresh_optimizer()
+            loop.sync()
+            resumed = recovery.resume(str(Path(work) / "rec"), loop.model, fresh, workers=workers)
+            by_workers[workers] = resumed.replay_s * 1e3 / max(1, resumed.replayed)
+        log("  replay ms/record by decoding workers: " + ", ".join(f"{w}: {v:.1f}" for w, v in by_workers.items()))
         read_ms = _read_ms(Path(work) / "rec")
     per_record = (durations[records] - durations[0]) / records
     opt_ms = statistics.median(step_ms[2:])
@@ -323,6 +368,9 @@ def part_replay(cpu: bool, rows: list) -> None:
                           ("read_directory_ms", read_ms),
                           ("record_step_ms", timing)):
         rows.append({"part": "replay", "config": "lowdiff-topk", "metric": metric, "value": value})
+    for workers, value in by_workers.items():
+        rows.append({"part": "replay", "config": f"workers={workers}", "metric": "replay_ms_per_record",
+                     "value": value})
 
 
 def _read_ms(directory: Path) -> float:

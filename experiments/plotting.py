@@ -211,6 +211,21 @@ def distributed_write(t: Table, ax) -> None:
     ax.set(xlabel="write bandwidth (GB/s)", title="full-checkpoint write bandwidth per layout")
 
 
+def stripe_bandwidth(t: Table, ax) -> None:
+    """Striped full-checkpoint write and read bandwidth against the number of drives (bench_stripe),
+    the sum of the drives' limits measured alone as dashed lines."""
+    n = [t.number(r, "n_devices") for r in t.rows]
+    for op, color in (("write", "tab:blue"), ("read", "tab:orange")):
+        ax.plot(n, [t.number(r, f"{op}_bytes_per_s") / 1e6 for r in t.rows], marker="o", color=color,
+                label=f"striped {op}")
+        ax.plot(n, [t.number(r, f"{op}_sum_limits_bytes_per_s") / 1e6 for r in t.rows], linestyle="--",
+                color=color, label=f"sum of the drives' {op} limits")
+    ax.set_xticks(n, [f"{v:g}" for v in n])
+    ax.set(xlabel="drives", ylabel="MB/s", title="striped full checkpoint vs the sum of the drives")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+
+
 def roundtrip(t: Table, ax) -> None:
     """Exact or diverging, per data-loader configuration and check (stateful_dataloader_roundtrip)."""
     checks = [c for c in ("order", "aug", "rng") if c in t.columns]
@@ -267,6 +282,7 @@ KINDS: dict[str, tuple[tuple[str, ...], AxesDraw, bool]] = {
     "recovery": (("method", "seconds", "chain"), recovery, False),
     "write_bandwidth": (("size_bytes", "method", "gb_per_s"), write_bandwidth, False),
     "distributed_write": (("layout", "ranks", "bytes_per_s"), distributed_write, False),
+    "stripe": (("n_devices", "write_bytes_per_s", "read_bytes_per_s"), stripe_bandwidth, False),
     "step_time_overhead": (("config", "median_step_ms"), step_time, False),
     "step_time": (("config", "median_ms"), step_time, False),
     "roundtrip": (("config", "workers", "order"), roundtrip, False),

@@ -8,6 +8,7 @@ from lowdiff.errors import (
     DirectoryBusyError,
     ForeignFileError,
     IncompatibleCheckpointError,
+    MissingDeviceError,
     MissingRankDirectoryError,
     NoCheckpointError,
     VersionMismatchError,
@@ -21,6 +22,7 @@ from lowdiff.train.wrapper import LowDiffOptimizer, wrap
 
 __all__ = ["Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError",
            "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError",
-           "KeepAll", "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingRankDirectoryError",
+           "KeepAll", "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingDeviceError",
+           "MissingRankDirectoryError",
            "NoCheckpointError", "Options", "Replica", "ResumableLoader", "Tiers", "TopK",
            "VersionMismatchError", "init_process_group", "wrap"]

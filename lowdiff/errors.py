@@ -49,3 +49,8 @@ class DirectoryBusyError(CheckpointError):
 class MissingRankDirectoryError(CheckpointError):
     """A partitioned directory lacks a rank directory that its full checkpoints need. Never read as
     empty and never a reason to delete: the message names the directory and what to do."""
+
+
+class MissingDeviceError(CheckpointError):
+    """A striped full checkpoint names a device directory that does not exist (a drive not
+    mounted). Never read as empty and never a reason to delete: the message names the directory."""

@@ -11,7 +11,8 @@ reaches ``point(PHASE)`` (N counts from 1). Phases, in the order a checkpoint go
 ``full-commit``     a full checkpoint is committed under its name; the manifest does not list it yet
 ``manifest-write``  a new manifest is written and synced under its temporary name, not yet replaced
 ``manifest-commit`` the new manifest replaced the old one; files it dropped are not yet deleted
-``retention``       between two deletions of files the committed manifest dropped
+``retention``       between two deletions of files the committed manifest dropped (a striped full
+                    checkpoint's stripes, deleted before its file, count one each)
 
 With storage tiers (lowdiff.tiers.policy), the drainer copying committed files to the shared tier:
 
@@ -26,6 +27,11 @@ With ``full_every``/``batch_steps`` "auto" (lowdiff.control.controlstate):
 In a partitioned directory resumed with fewer ranks (lowdiff.distributed.shareretention):
 
 ``dropped-clean``   between two deletions of a dropped rank's files its committed manifest dropped
+
+With full checkpoints striped over several devices (lowdiff.store.stripes):
+
+``stripe-write``    a stripe is committed under its name on its device; the checkpoint file naming the
+                    stripes and the manifest are not
 
 Without the variable ``point`` is a dictionary lookup; nothing else changes.
 """
@@ -42,15 +48,17 @@ PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", 
 TIER_PHASES = ("drain-write", "drain-commit", "clean")
 PARTITION_PHASES = ("dropped-clean",)
 CONTROL_PHASES = ("controller-write",)
+STRIPE_PHASES = ("stripe-write",)
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
+    known = PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES + STRIPE_PHASES
     if not spec:
         return None
     phase, _, count = spec.partition(":")
-    if phase not in PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES or not count.isdigit() or int(count) < 1:
+    if phase not in known or not count.isdigit() or int(count) < 1:
         raise ValueError(f"LOWDIFF_FAULT={spec!r}: expected PHASE:N with PHASE one of "
-                         f"{', '.join(PHASES + TIER_PHASES + PARTITION_PHASES + CONTROL_PHASES)} and N >= 1")
+                         f"{', '.join(known)} and N >= 1")
     return phase, int(count)
 
 

@@ -2,16 +2,18 @@
 as a torch.distributed.checkpoint (DCP) directory."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
-import warnings
 
 import torch
 
 from lowdiff.distributed.partition import is_partitioned
-from lowdiff.errors import CorruptCheckpointError, NoCheckpointError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from recovery.execute import Restored
+from recovery.partitioned import dcpexport
 from recovery.partitioned.restore import restore_partitioned
-from recovery.plan import checkpoint_directory
+from recovery.plan import checkpoint_directory, warn
 from recovery.restore import restore
 
 
@@ -31,12 +33,50 @@ def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *,
     """Write the state of ``step`` (default: the newest durable step) to ``output``; loadable without
     lowdiff. Parameters are rebuilt from the full checkpoint and replayed with the optimizer class
     recorded there. ``format`` "torch": one ``torch.save`` file of ``{"step", "model", "optimizer",
-    "scheduler", "extra", "rng"}``; "dcp": a torch.distributed.checkpoint directory (see _save_dcp)."""
+    "scheduler", "extra", "rng"}``; "dcp": a torch.distributed.checkpoint directory
+    (recovery.partitioned.dcpexport), written share by share without gathering when the directory
+    holds sharded (FSDP2) state."""
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: one of {', '.join(FORMATS)}")
     if format == "dcp" and os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"{os.fspath(output)}: exists and is not a directory (a DCP export writes a directory)")
     directory = checkpoint_directory(directory)
+    rebuilt = None
+    if format == "dcp" and is_partitioned(directory):
+        first = _rebuild(directory, step, as_share=0)   # share 0's own state: whole tensors if nothing is sharded
+        share = dcpexport.share_index(first.path)
+        if not share.dtensors:
+            rebuilt = first   # (as a plain export's: rank 0's share, every tensor whole)
+        elif _export_shares(output, directory, first, share.count, share.dtensors):
+            return first.restored.step
+        # else the shares start from different sets: whole tensors (see _export_shares)
+    rebuilt = rebuilt or _rebuild(directory, step)
+    restored = rebuilt.restored
+    if format == "dcp":
+        state, _ = dcpexport.dcp_state(rebuilt.model_state, rebuilt.optimizer, rebuilt.names, restored.step)
+        dcpexport.save_gathered(output, _own_storage(state))
+        return restored.step
+    boundary = restored.boundary
+    out = {"step": restored.step, "model": rebuilt.model_state, "optimizer": rebuilt.optimizer.state_dict(),
+           "scheduler": boundary.scheduler, "extra": boundary.extra, "rng": boundary.rng}
+    # Tensors loaded from a full checkpoint are views of one read buffer, some under different
+    # dtypes, which torch.save refuses (and would otherwise store the whole buffer): give each its own.
+    torch.save(_own_storage(out), os.fspath(output))
+    return restored.step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rebuilt:
+    restored: Restored
+    model_state: dict       # state-dict key -> tensor (parameters as replayed, buffers at the step)
+    optimizer: torch.optim.Optimizer   # over the replayed parameters, in the index's slot order
+    names: dict             # id(parameter) -> its name
+    path: str               # the full checkpoint (of a partitioned directory: the share) it started from
+
+
+def _rebuild(directory: str, step: int | None, as_share: int | None = None) -> _Rebuilt:
+    """The state of ``step`` in this process: whole tensors, or (``as_share``, a partitioned
+    directory) share ``as_share``'s own state with its DTensor chunks as written, replayed."""
     holder: dict = {}
 
     def check_full(path, index, state):
@@ -62,7 +102,8 @@ def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *,
     restored = None
     if is_partitioned(directory):   # one process reads every share; rank 0's per-rank state is exported
         restored, _ = restore_partitioned(directory, check_full=check_full, apply_full=apply_full,
-                                          params_for=params_for, optimizer_for=optimizer_for, stop_step=step)
+                                          params_for=params_for, optimizer_for=optimizer_for, stop_step=step,
+                                          as_share=as_share)
     if restored is None:
         restored = restore(directory, check_full=check_full, apply_full=apply_full, params_for=params_for,
                            optimizer_for=optimizer_for, stop_step=step)
@@ -75,42 +116,40 @@ def export(directory: str | os.PathLike[str], output: str | os.PathLike[str], *,
     for key, slot in index.param_aliases.items():  # tied weights stored under several keys
         model_state[key] = holder["params"][slot].detach()
     model_state.update(boundary.buffers)
-    if format == "dcp":
-        names = {id(p): name for name, p in zip(index.param_names, holder["params"])}
-        _save_dcp(output, _own_storage(model_state), holder["optimizer"], names, restored.step)
-        return restored.step
-    out = {"step": restored.step, "model": model_state, "optimizer": holder["optimizer"].state_dict(),
-           "scheduler": boundary.scheduler, "extra": boundary.extra, "rng": boundary.rng}
-    # Tensors loaded from a full checkpoint are views of one read buffer, some under different
-    # dtypes, which torch.save refuses (and would otherwise store the whole buffer): give each its own.
-    torch.save(_own_storage(out), os.fspath(output))
-    return restored.step
+    names = {id(p): name for name, p in zip(index.param_names, holder["params"])}
+    return _Rebuilt(restored, model_state, holder["optimizer"], names, restored.full_file)
 
 
-def _save_dcp(output, model_state: dict, optimizer, names: dict, step: int) -> None:
-    """A DCP directory whose keys are those of ``get_state_dict(model, optimizer,
-    options=StateDictOptions(flatten_optimizer_state_dict=True))`` (model FQNs; "state.<fqn>.<name>";
-    "param_groups.<fqn>.<key>"), plus "lowdiff.step". The tensors are whole (gathered from every
-    share by this one process) and written by DCP's own writer as one chunk each; ``dcp.load`` cuts
-    out each rank's chunk at any world size. Only the optimizer's per-parameter state and groups
-    are exported: the scheduler, extra state and RNG are not (the torch format has rank 0's)."""
-    import torch.distributed.checkpoint as dcp
-
-    state: dict = dict(model_state)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            fqn = names[id(param)]
-            for key, value in optimizer.state.get(param, {}).items():
-                state[f"state.{fqn}.{key}"] = _own_storage(value)
-            for key, value in group.items():
-                if key != "params":
-                    state[f"param_groups.{fqn}.{key}"] = value
-    state["lowdiff.step"] = step
-    # no_dist: this one process writes everything, even inside a job with a process group; DCP warns
-    # that it assumes so whenever no_dist holds, which here is the intent, not a problem.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state, checkpoint_id=os.fspath(output), no_dist=True)
+def _export_shares(output, directory: str, first: _Rebuilt, count: int, chunks: dict) -> bool:
+    """Write the DCP directory share by share (recovery.partitioned.dcpexport), each share's state
+    rebuilt in turn at ``first``'s step. False, with nothing committed, when a share's state starts
+    from another full set than share 0's (its own chunks of the newer one did not verify): its
+    chunks may be cut otherwise, so the caller writes whole tensors instead, from the set that every
+    share verifies (the gathered path reads and checks every chunk)."""
+    restored = first.restored
+    writer = dcpexport.ShardedWriter(output, count)
+    rebuilt = first
+    for share in range(count):
+        if share:
+            try:
+                rebuilt = _rebuild(directory, restored.step, as_share=share)
+            except CheckpointError as exc:
+                warn(f"lowdiff: share {share} of step {restored.step} cannot be rebuilt on its own ({exc}): "
+                     f"exporting whole tensors instead of each share's chunks")
+                writer.abandon()
+                return False
+            if (rebuilt.restored.full_step, rebuilt.restored.full_index.session) != \
+                    (restored.full_step, restored.full_index.session):
+                warn(f"lowdiff: share {share} of step {restored.step} starts from the full checkpoint of step "
+                     f"{rebuilt.restored.full_step}, share 0 from step {restored.full_step}: exporting whole "
+                     f"tensors instead of each share's chunks")
+                writer.abandon()
+                return False
+            chunks = dict(dcpexport.share_index(rebuilt.path).dtensors)
+        state, keys = dcpexport.dcp_state(rebuilt.model_state, rebuilt.optimizer, rebuilt.names, restored.step)
+        writer.add(share, _own_storage(state), keys, chunks)
+    writer.commit()
+    return True
 
 
 def _own_storage(node):

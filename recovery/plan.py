@@ -75,3 +75,4 @@ class Loaded:
     file: str                          # the full checkpoint's file name (a set's first share)
     chain: tuple = ()                  # the layout's handle on the differentials to replay
     own: bool = True                   # whether this rank got its own per-rank state back
+    replay: Any = None                 # a replay already decoding the chain's first records (or None)

@@ -27,7 +27,7 @@ from lowdiff.format.schema import FullIndex, FullState
 from lowdiff.store.inventory import check_entry, take_inventory
 from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, chain_end, describe_retained, plan_chain
 from recovery.execute import Restored, execute
-from recovery.pipeline.replay import replay
+from recovery.pipeline.replay import ReplayPipeline, replay
 from recovery.plan import Candidate, Loaded, Plan, checkpoint_directory, warn
 
 __all__ = ["DirectoryLayout", "Restored", "checkpoint_directory", "execute_directory", "plan_directory",
@@ -41,33 +41,39 @@ class _Moved(Exception):
 
 
 def restore(directory: str, *, check_full, apply_full, params_for, optimizer_for,
-            stop_step: int | None = None, workers: int | None = None, into=None) -> Restored | None:
+            stop_step: int | None = None, workers: int | None = None, into=None,
+            early_params=None) -> Restored | None:
     """Plan (``plan_directory``), then execute (recovery.execute): None for a directory with nothing
-    in it. ``into()`` gives the live tensors a full checkpoint is read straight into."""
+    in it. ``into()`` gives the live tensors a full checkpoint is read straight into.
+    ``early_params()``: the parameters the replay steps, where they are known before a full
+    checkpoint is loaded (resume's are the live ones): the chain's first records are then read and
+    decoded while the full checkpoint loads."""
     for _ in range(_ATTEMPTS):
         plan = plan_directory(directory, check_full=check_full, stop_step=stop_step)
         if plan is None:
             return None
         try:
-            return _execute(plan, check_full, apply_full, params_for, optimizer_for, workers, into)
+            return _execute(plan, check_full, apply_full, params_for, optimizer_for, workers, into, early_params)
         except _Moved:   # a fallback's file was retired meanwhile: plan again from a fresh view
             continue
     raise _busy(directory)
 
 
 def execute_directory(plan: Plan, *, check_full, apply_full, params_for, optimizer_for, workers=None,
-                      into=None) -> Restored | None:
+                      into=None, early_params=None) -> Restored | None:
     """Carry out a plan of ``plan_directory``; if a live trainer retired a fallback's file
     meanwhile, plan again from a fresh view (``restore``)."""
     try:
-        return _execute(plan, check_full, apply_full, params_for, optimizer_for, workers, into)
+        return _execute(plan, check_full, apply_full, params_for, optimizer_for, workers, into, early_params)
     except _Moved:
         return restore(plan.directory, check_full=check_full, apply_full=apply_full, params_for=params_for,
-                       optimizer_for=optimizer_for, stop_step=plan.target, workers=workers, into=into)
+                       optimizer_for=optimizer_for, stop_step=plan.target, workers=workers, into=into,
+                       early_params=early_params)
 
 
-def _execute(plan: Plan, check_full, apply_full, params_for, optimizer_for, workers, into) -> Restored:
-    restored, _ = execute(plan, DirectoryLayout(check_full, into, workers), apply_full=apply_full,
+def _execute(plan: Plan, check_full, apply_full, params_for, optimizer_for, workers, into,
+             early_params=None) -> Restored:
+    restored, _ = execute(plan, DirectoryLayout(check_full, into, workers, early_params), apply_full=apply_full,
                           params_for=params_for, optimizer_for=optimizer_for)
     assert restored is not None   # a plan has a candidate; when none loads, the layout raises
     return restored
@@ -218,12 +224,14 @@ def _verified(directory, inventory, full, stop_step, skipped: list, read):
 
 class DirectoryLayout:
     """How recovery.execute reads a single directory's files (``into()``: the live tensors a full
-    checkpoint is read straight into; ``workers``: the replay's decoding threads)."""
+    checkpoint is read straight into; ``workers``: the replay's decoding threads; ``early_params()``:
+    the replay's parameters, when known before the load, to start decoding records during it)."""
 
-    def __init__(self, check_full, into, workers: int | None):
+    def __init__(self, check_full, into, workers: int | None, early_params=None):
         self._check_full = check_full
         self._into = into
         self._workers = workers
+        self._early_params = early_params
 
     def load(self, plan: Plan, position: int, skipped: list) -> Loaded | None:
         candidate, inventory = plan.candidates[position], plan.view
@@ -233,26 +241,53 @@ class DirectoryLayout:
             return None
         full = candidate.source
         check = _checker(plan.directory, inventory, full, self._check_full)
+        early = None
         try:
+            if self._early_params is not None and chain:
+                early = ReplayPipeline(list(chain), candidate.step, self._early_params(), stop_step=plan.target,
+                                       warn=warn, workers=self._workers)
             loaded = _verified(plan.directory, inventory, full, plan.target, skipped, lambda path: load_full(
                 path, into=self._into() if self._into is not None else None, check=check))
         except BaseException:
+            _close_early(early)
             _close_all(chain)
             raise
         if loaded is None:
+            _close_early(early)
             _close_all(chain)
             return None
-        return Loaded(loaded[0], loaded[1], full.file, tuple(chain))
+        return Loaded(loaded[0], loaded[1], full.file, tuple(chain), replay=early)
 
     def replay(self, plan: Plan, candidate: Candidate, loaded: Loaded, params: list, optimizer, times) -> tuple:
-        return replay(list(loaded.chain), candidate.step, params, optimizer, stop_step=plan.target, warn=warn,
-                      times=times, workers=self._workers)
+        if loaded.replay is None:
+            return replay(list(loaded.chain), candidate.step, params, optimizer, stop_step=plan.target, warn=warn,
+                          times=times, workers=self._workers)
+        try:
+            return loaded.replay.run(optimizer)
+        finally:
+            _merge_times(times, loaded.replay.times)
 
     def release(self, loaded: Loaded) -> None:
+        _close_early(loaded.replay)
         _close_all(loaded.chain)
 
     def none_verifies(self, plan: Plan, skipped: list) -> Exception:
         return _none_verifies(plan.directory, plan.target, skipped)
+
+
+def _close_early(pipeline: ReplayPipeline | None) -> None:
+    if pipeline is not None:
+        pipeline.close()
+
+
+def _merge_times(into, times) -> None:
+    """The early replay's timings, into the ``ReplayTimes`` execute keeps for this candidate."""
+    into.read_s += times.read_s
+    into.decode_s += times.decode_s
+    into.apply_s += times.apply_s
+    into.wall_s += times.wall_s
+    into.records += times.records
+    into.workers = times.workers
 
 
 def _open_chain(directory: str, inventory, base_step: int, stop_step: int | None) -> list:

@@ -306,7 +306,8 @@ def _restore_agreed(directory: str, targets: _Targets, world: int, step: int | N
                 continue
         restored = None if plan is None else execute_directory(
             plan, check_full=targets.check_full, apply_full=targets.apply_full, params_for=targets.params,
-            optimizer_for=lambda index: targets.inner, workers=workers, into=targets.live_tensors)
+            optimizer_for=lambda index: targets.inner, workers=workers, into=targets.live_tensors,
+            early_params=lambda: targets.params(None))
         if world == 1:
             return restored
         low, high = _agree(restored.step if restored else 0)

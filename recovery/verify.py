@@ -115,7 +115,7 @@ def _check(directory: str, entry, run):
 
     def check():
         if isinstance(entry, FullEntry):
-            index, _ = load_full(path)
+            index, _ = load_full(path, check_stripes=True)
             check_entry(path, entry, index, os.path.getsize(path), run)
             return None, entry.step
         return _check_batch(path, entry, run)

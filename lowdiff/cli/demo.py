@@ -126,18 +126,21 @@ def compressor_from(name: str, ratio: float):
 
 
 def train(directory: str | None, steps: int, *, optimizer="adamw", compressor="topk", ratio=0.05,
-          full_every=10, batch_steps=4, digests=None, log=print, replica=False, clip=True, tiers=None) -> dict:
+          full_every=10, batch_steps=4, digests=None, log=print, replica=False, clip=True, tiers=None,
+          stripe_dirs=()) -> dict:
     """Train to ``steps`` completed steps (resuming from ``directory`` when it holds a checkpoint;
     ``directory=None`` trains without lowdiff). Returns {"start", "digests": {step: digest}}.
     ``replica``: lowdiff's replica mode (dense gradients); ``clip``: clip gradients after backward;
-    ``tiers``: lowdiff.tiers.Tiers (stage to a shared directory)."""
+    ``tiers``: lowdiff.tiers.Tiers (stage to a shared directory); ``stripe_dirs``: other drives' directories
+    full checkpoints are striped over (``lowdiff.Options(stripe_dirs=...)``)."""
     model, opt, sched, sampler = build(optimizer)
     start = 0
     if directory is not None:
         when = {"schedule": lowdiff.Replica(full_every=full_every, batch_steps=batch_steps)} if replica else \
             {"full_every": full_every, "batch_steps": batch_steps}
         opt = lowdiff.wrap(opt, model, directory, compressor=compressor_from(compressor, ratio), scheduler=sched,
-                           extra_state={"sampler": sampler}, tiers=tiers, **when)
+                           extra_state={"sampler": sampler}, tiers=tiers,
+                           options=lowdiff.Options(stripe_dirs=tuple(stripe_dirs)), **when)
         import recovery  # (lowdiff reaches recovery only inside its cli and integrations)
 
         start = recovery.resume(directory, model, opt)
@@ -223,6 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shared-policy", default="last:2", help="shared tier retention: last:N, every:K:N or all")
     parser.add_argument("--local-policy", help="local tier retention (default: last:2)")
     parser.add_argument("--s3-part-bytes", type=int, help="an s3:// shared tier's multipart part size")
+    parser.add_argument("--stripe-dir", action="append", default=[],
+                        help="another drive's directory full checkpoints are striped over (repeatable)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     digests = open(args.digests, "a") if args.digests else None
@@ -230,7 +235,7 @@ def main(argv=None) -> int:
         train(args.directory if args.mode == "train" else None, args.steps, optimizer=args.optimizer,
               compressor=args.compressor, ratio=args.ratio, full_every=args.full_every,
               batch_steps=args.batch_steps, digests=digests, log=lambda m: print(m, flush=True),
-              replica=args.replica, clip=not args.no_clip, tiers=_tiers_from(args))
+              replica=args.replica, clip=not args.no_clip, tiers=_tiers_from(args), stripe_dirs=args.stripe_dir)
     finally:
         if digests:
             digests.close()

@@ -163,8 +163,9 @@ def _inspect_directory(directory: str) -> None:
             tensors = len(index.tensors)
         except (CheckpointError, OSError, EOFError) as exc:
             tensors = f"unreadable: {exc}"
-        print(f"  step {full.step:>8}  {_human(full.nbytes):>10}  tensors {tensors}  {full.file}  "
-              f"chain -> step {end} ({len(chain)} batches)")
+        striped = f"  striped over {len(full.stripes)} drives" if full.stripes else ""
+        print(f"  step {full.step:>8}  {_human(full.nbytes + sum(s.nbytes for s in full.stripes)):>10}  "
+              f"tensors {tensors}  {full.file}  chain -> step {end} ({len(chain)} batches){striped}")
     total = sum(b.nbytes for b in manifest.batches)
     steps = sum(b.last - b.first + 1 for b in manifest.batches)
     print(f"differential batches ({len(manifest.batches)}, {steps} steps, {_human(total)}"

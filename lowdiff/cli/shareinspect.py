@@ -17,13 +17,50 @@ from lowdiff.errors import CheckpointError
 from lowdiff.format.sharefile import read_full_share_index
 
 
-def _share_count(path: str) -> str:
+def _share_index(path: str):
+    """The full share's index, or why it cannot be read (a string)."""
     try:
         with fastio.Reader(path) as reader:
-            index = read_full_share_index(path, reader)
-        return f"share {index.index} of {index.count}, bytes {index.start}..{index.end} of {index.shared_bytes}"
+            return read_full_share_index(path, reader)
     except (CheckpointError, OSError, EOFError) as exc:
         return f"unreadable: {exc}"
+
+
+def _share_summary(index) -> str:
+    """One share's part of its set: its own tensors (how many are DTensor chunks) and its range of
+    the shared payload. A sharded run's shares hold mostly chunks and often no shared bytes at all
+    (the set's few replicated tensors fall in one share's range): said in words, not as "0..0"."""
+    if isinstance(index, str):
+        return index
+    chunks = f" ({len(index.dtensors)} of them DTensor chunks)" if index.dtensors else ""
+    if index.shared_bytes == 0:
+        shared = "no shared payload"
+    elif index.start == index.end:
+        shared = f"none of the {index.shared_bytes}-byte shared payload"
+    else:
+        shared = f"shared payload bytes {index.start}..{index.end} of {index.shared_bytes}"
+    return f"share {index.index} of {index.count}: {len(index.tensors)} own tensors{chunks}, {shared}"
+
+
+def _extent(entry: dict) -> str:
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(entry["offsets"], entry["shape"])) + "]"
+
+
+def _chunk_lines(step: int, indexes: dict) -> list[str]:
+    """Each DTensor of a set once: global shape, mesh and placements, and every share's chunk as
+    the global ranges it covers (docs/format.md, "Sharded state")."""
+    keys = sorted({key for index in indexes.values() for key in index.dtensors})
+    if not keys:
+        return []
+    lines = [f"sharded tensors of the set of step {step} (each share holds its chunk; global ranges by share):"]
+    for key in keys:
+        entries = {rank: index.dtensors[key] for rank, index in indexes.items() if key in index.dtensors}
+        first = next(iter(entries.values()))
+        where = ", ".join(f"{rank}: {_extent(e)}" if all(e["shape"]) else f"{rank}: empty"
+                          for rank, e in entries.items())
+        lines.append(f"  {key}  global {first['global_shape']}  {'/'.join(first['placements'])} on mesh "
+                     f"{first['mesh_shape']}  chunks {where}")
+    return lines
 
 
 def describe(root: str, warn=None) -> list[str]:
@@ -47,15 +84,19 @@ def describe(root: str, warn=None) -> list[str]:
             lines.append(f"  rank-{rank:05d}: MANIFEST.json missing or damaged: the list below is rebuilt from "
                          f"its {len(inventory.manifest.files())} share files")
     lines.append(f"full checkpoint sets ({len(sets)}):")
+    newest_chunks: list[str] = []   # the newest complete set's DTensors (sets are listed oldest first)
     for fset in sets:
         shares = {rank: next(f for f in manifests[rank].fulls if (f.step, f.session) == (fset.step, fset.session))
                   for rank in sorted(fset.ranks)}
         total = sum(f.nbytes for f in shares.values())
         state = f"complete, reaches step {fset.reach(manifests)}" if fset.complete else "INCOMPLETE (not used)"
         lines.append(f"  step {fset.step:>8}  session {fset.session}  {len(shares)} shares, {total} bytes  {state}")
+        indexes = {rank: _share_index(os.path.join(root, f"rank-{rank:05d}", full.file))
+                   for rank, full in shares.items()}
         for rank, full in shares.items():
-            lines.append(f"      rank-{rank:05d}/{full.file}  {full.nbytes} bytes  "
-                         f"{_share_count(os.path.join(root, f'rank-{rank:05d}', full.file))}")
+            lines.append(f"      rank-{rank:05d}/{full.file}  {full.nbytes} bytes  {_share_summary(indexes[rank])}")
+        if fset.complete and all(not isinstance(i, str) for i in indexes.values()):
+            newest_chunks = _chunk_lines(fset.step, indexes) or newest_chunks
     for rank, manifest in manifests.items():
         if manifest.batches:
             steps = sum(b.last - b.first + 1 for b in manifest.batches)
@@ -64,4 +105,4 @@ def describe(root: str, warn=None) -> list[str]:
                          f"({steps} steps, {sum(b.nbytes for b in manifest.batches)} bytes)")
         for name, why, _ in views[rank].ignored:
             lines.append(f"  rank-{rank:05d}: not used: {name}: {why}")
-    return lines
+    return lines + newest_chunks

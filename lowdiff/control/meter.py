@@ -366,10 +366,16 @@ class CostMeter:
 
     # reports ----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Median and max of the recent raw samples (``RAW``), in milliseconds, and how many there were."""
+        """Median and max of the recent raw samples (``RAW``), in milliseconds, and how many there
+        were; and ``full_iteration_cost_ms``, what one full checkpoint costs the iterations (beside
+        ``full_stall``, the part of it that ``step()`` waits): the extra wall time of the step that
+        takes it and of the steps its persist overlaps, over the clean steps before it (the
+        controller weighs a full checkpoint by this; None until one was charged)."""
         with self._lock:
             samples = {name: list(values) for name, values in self.samples.items()}
-        out: dict[str, Any] = {}
+            charged = list(self.windows["full_cost_s"].samples)
+        out: dict[str, Any] = {"full_iteration_cost_count": len(charged),
+                               "full_iteration_cost_median_ms": statistics.median(charged) * 1e3 if charged else None}
         for name, values in samples.items():
             key = name.removesuffix("_s")
             out[f"{key}_count"] = len(values)

@@ -96,8 +96,10 @@ class ShareSnapshot(Snapshot):
         super().prepare(payload_bytes // self.count + (1 << 20))
 
     def persist(self, path: str, session: str, *, run: str | None = None, engine=None,
-                before_commit=None) -> int | None:
-        """Write and commit the share (see Snapshot.persist)."""
+                before_commit=None, stripe=None) -> int | None:
+        """Write and commit the share (see Snapshot.persist; a share is never striped)."""
+        if stripe is not None:
+            raise ValueError("a full-checkpoint share is not striped over several drives (not supported yet)")
         assert self._plan is not None and self._buffer is not None, "copy() before persist()"
         layout, shared_bytes, pieces, own, own_bytes = self._plan
         start, end = share_range(shared_bytes, self.index, self.count)

@@ -31,39 +31,40 @@ cdef void _store_u32(const int64_t *p, Py_ssize_t count, unsigned char *out) noe
 
 
 def encode_deltas(const int64_t[::1] indices, counts) -> tuple:
-    """(bytearray, widths): the deltas of ``indices`` (``counts[i]`` sorted indices per tensor,
-    back to back) and each tensor's width in bytes (2 or 4). The indices must be sorted and unique
-    within each tensor and below 2**32 (the encoder's callers guarantee it).
+    """(deltas, widths): the deltas of ``indices`` (``counts[i]`` sorted indices per tensor, back
+    to back) as a byte buffer, and each tensor's width in bytes (2 or 4). The indices must be
+    sorted and unique within each tensor and below 2**32 (the encoder's callers guarantee it).
 
-    Every tensor is first stored at width 2 (the common case at TopK ratios); one that does not
-    fit is stored again at width 4, the pieces after it moving up."""
-    cdef Py_ssize_t n = len(counts), t, start = 0, count, total = 0
-    cdef const int64_t *base = &indices[0] if indices.shape[0] else NULL
+    Every tensor is first stored at width 2 (the common case at TopK ratios); one that does not fit
+    is stored again at width 4 in the same place (the buffer has room for every tensor at 4). All
+    tensors in one pass without the GIL: this runs on the writer thread beside training, and a
+    GIL taken back per tensor (hundreds a record) would cost the training thread a hand-off each."""
+    cdef Py_ssize_t n = len(counts), t, total = 0
+    sizes = np.asarray(counts, dtype=np.int64).reshape(n)
+    cdef const int64_t[::1] count_of = sizes
     for t in range(n):
-        count = counts[t]
-        if count < 0 or total + count > indices.shape[0]:
+        if count_of[t] < 0 or total + count_of[t] > indices.shape[0]:
             raise ValueError(f"encode_deltas: counts {list(counts)} do not match {indices.shape[0]} indices")
-        total += count
-    out = bytearray(2 * total)
-    widths = [2] * n
+        total += count_of[t]
+    wide = np.zeros(n, dtype=np.uint8)
     if not total:
-        return out, widths
-    cdef unsigned char *dst = out
-    cdef Py_ssize_t pos = 0
-    cdef bint narrow
-    for t in range(n):
-        count = counts[t]
-        with nogil:
-            narrow = _store_u16(base + start, count, <uint16_t *>(dst + pos)) if count else True
-        if not narrow:
-            widths[t] = 4
-            out[pos:pos + 2 * count] = bytes(4 * count)  # grow this tensor's piece in place
-            dst = out
-            with nogil:
+        return bytearray(), [2] * n
+    out = np.empty(4 * total, dtype=np.uint8)
+    cdef unsigned char[::1] out_view = out
+    cdef unsigned char[::1] wide_view = wide
+    cdef unsigned char *dst = &out_view[0]
+    cdef unsigned char *is_wide = &wide_view[0] if n else NULL
+    cdef const int64_t *base = &indices[0]
+    cdef Py_ssize_t pos = 0, start = 0, count
+    with nogil:
+        for t in range(n):
+            count = count_of[t]
+            if count and not _store_u16(base + start, count, <uint16_t *>(dst + pos)):
                 _store_u32(base + start, count, dst + pos)
-        pos += count * widths[t]
-        start += count
-    return out, widths
+                is_wide[t] = 1
+            pos += count * (4 if is_wide[t] else 2)
+            start += count
+    return memoryview(out)[:pos], [4 if w else 2 for w in wide.tolist()]
 
 
 def decode_deltas(const unsigned char[::1] data, Py_ssize_t offset, Py_ssize_t nnz, int width,

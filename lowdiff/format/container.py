@@ -18,7 +18,7 @@ import zlib
 import fastio
 from lowdiff import faults
 from lowdiff.errors import CorruptCheckpointError, ForeignFileError, VersionMismatchError  # noqa: F401 (re-exported)
-from lowdiff.format.schema import FORMAT_VERSION
+from lowdiff.format.schema import FORMAT_VERSION, Stripe
 
 MAGIC = b"LOWDIFF\x00"
 TRAILER_MAGIC = b"LDINDEX\x00"
@@ -152,11 +152,13 @@ def encode_json_file(body) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class FullEntry:
-    """A committed full checkpoint (or share of one) that the manifest lists."""
+    """A committed full checkpoint (or share of one) that the manifest lists; ``stripes``: the
+    files holding its payload when it is striped over several devices (schema.Stripe)."""
     step: int
     file: str
     nbytes: int
     session: str
+    stripes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +173,28 @@ class BatchEntry:
 
 @dataclasses.dataclass(frozen=True)
 class RetiredEntry:
-    """A file the commit of this manifest stopped listing: the next trainer may delete it."""
+    """A file the commit of this manifest stopped listing: the next trainer may delete it (and
+    its ``stripes`` first, when it is a striped full checkpoint)."""
     file: str
     nbytes: int
+    stripes: tuple = ()
+
+
+def _entry_json(entry) -> dict:
+    """A manifest entry as JSON: ``stripes`` only when there are some, so the manifest of a
+    directory without striping keeps its bytes."""
+    out = dataclasses.asdict(entry)
+    stripes = out.pop("stripes", ())
+    if stripes:
+        out["stripes"] = [s.to_json() for s in entry.stripes]
+    return out
+
+
+def _striped(cls, obj: dict, path: str):
+    """``cls(**obj)`` with its ``stripes`` list read as schema.Stripe (checked)."""
+    if "stripes" in obj:
+        obj = {**obj, "stripes": tuple(Stripe.from_json(path, s, i) for i, s in enumerate(obj["stripes"]))}
+    return cls(**obj)
 
 
 @dataclasses.dataclass
@@ -187,9 +208,9 @@ class ManifestRecord:
     rebuilt: bool = dataclasses.field(default=False, compare=False)   # by scanning files (no good manifest)
 
     def to_json(self) -> bytes:
-        body = {"version": MANIFEST_VERSION, "fulls": [dataclasses.asdict(e) for e in self.fulls],
+        body = {"version": MANIFEST_VERSION, "fulls": [_entry_json(e) for e in self.fulls],
                 "batches": [dataclasses.asdict(e) for e in self.batches],
-                "retired": [dataclasses.asdict(e) for e in self.retired]}
+                "retired": [_entry_json(e) for e in self.retired]}
         if self.run is not None:
             body["run"] = self.run
         return encode_json_file({"crc32": zlib.crc32(encode_json_file(body)), "manifest": body})
@@ -218,8 +239,9 @@ class ManifestRecord:
             run = body.get("run")
             if run is not None and not isinstance(run, str):
                 raise TypeError(f"run is {run!r}")
-            return cls([FullEntry(**e) for e in body["fulls"]], [BatchEntry(**e) for e in body["batches"]],
-                       run, [RetiredEntry(**e) for e in body.get("retired", [])])
+            return cls([_striped(FullEntry, e, path) for e in body["fulls"]],
+                       [BatchEntry(**e) for e in body["batches"]],
+                       run, [_striped(RetiredEntry, e, path) for e in body.get("retired", [])])
         except (CorruptCheckpointError, VersionMismatchError):
             raise
         except (ValueError, KeyError, TypeError) as exc:

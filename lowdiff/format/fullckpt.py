@@ -15,7 +15,7 @@ import fastio
 from lowdiff import faults
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format import container, tree
-from lowdiff.format.payloadread import read_payload
+from lowdiff.format.payloadread import StripedPayload, read_payload
 from lowdiff.format.records import dtype_from_name, dtype_name
 from lowdiff.format.schema import (
     PAGE,
@@ -127,8 +127,7 @@ class Snapshot:
         tensors, _ = self._staged
         entries, payload_bytes = plan_layout(tensors)
         if self._buffer is None or self._buffer.capacity_bytes < payload_bytes:
-            self._buffer = None
-            self._destinations = None
+            self.drop_buffer()
             spare, self.spare = self.spare, None
             if spare is not None and spare.capacity_bytes >= payload_bytes:
                 self._buffer = spare
@@ -146,7 +145,8 @@ class Snapshot:
                 pass
             elif not on_training_thread and self.device_copy is not None and any(
                     self.device_copy.handles(src) for src in sources):
-                self.device_copy.copy(destinations, sources)   # checksums: computed by persist()
+                # checksums: computed by persist(); the whole buffer, which may be page-locked once
+                self.device_copy.copy(destinations, sources, (self._buffer.address, self._buffer.capacity_bytes))
             elif not on_training_thread:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each
@@ -162,6 +162,14 @@ class Snapshot:
                 for dst, src in zip(destinations, sources):  # device tensors: one by one to the host
                     dst.copy_(src)
         self.entries, self.payload_bytes = entries, payload_bytes
+
+    def drop_buffer(self) -> None:
+        """Let the staging buffer go (a device copy that page-locked it unlocks it first: its
+        memory is unmapped once nothing refers to it)."""
+        if self._buffer is not None and self.device_copy is not None and hasattr(self.device_copy, "forget"):
+            self.device_copy.forget(self._buffer.address)
+        self._buffer = None
+        self._destinations = None
 
     def modified_since_stage(self) -> list[str]:
         """Keys of staged tensors modified in place since ``stage`` (by their version counters)."""
@@ -181,30 +189,46 @@ class Snapshot:
             self.spare = fastio.aligned_buffer(payload_bytes, populate=True)
 
     def persist(self, path: str, session: str, *, run: str | None = None, engine=None,
-                before_commit=None) -> int | None:
+                before_commit=None, stripe=None) -> int | None:
         """Write the snapshot to ``path`` and commit it. Returns the file size in bytes.
 
         ``before_commit()`` is asked last, with everything written: if it returns False the file
         is discarded (nothing appears at ``path``) and persist returns None.
+
+        ``stripe(payload) -> (unit, (Stripe, ...))``, when given, writes the payload as stripes on
+        several devices and returns them once every stripe is durable (lowdiff.store.stripes); ``path``
+        then holds everything but the payload, and names the stripes (docs/format.md, "Striped
+        full checkpoints"), so the checkpoint exists only once every stripe does. When it returns
+        None, the stripes written are named by nothing: the caller removes them.
         """
         payload = memoryview(b"")
         if self.payload_bytes:
             assert self._buffer is not None, "copy() allocates the buffer it counts payload_bytes in"
             payload = self._buffer.view(0, self.payload_bytes)
+        stripes: tuple = ()
+        unit = 0
+        if stripe is not None and self.payload_bytes:
+            unit, stripes = stripe(payload)   # (if before_commit refuses, the caller removes them)
         objects = tree.dumps(self._skeleton)
+        with_bytes = [e for e in self.entries if e.nbytes]
+        if self._checksums is None and with_bytes:   # the copy did not compute them: all in one call
+            assert self._buffer is not None
+            self._checksums = fastio.crc32c_regions([self._buffer.address + e.offset for e in with_bytes],
+                                                    [e.nbytes for e in with_bytes])
         checksums = iter(self._checksums or ())
         tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
-                                    next(checksums) if self._checksums is not None and e.nbytes else
-                                    fastio.crc32c(payload[e.offset:e.offset + e.nbytes]),
+                                    next(checksums) if e.nbytes else fastio.crc32c(b""),
                                     key=e.key, dtype=e.dtype, shape=e.shape)
                         for e in self.entries)
         meta = self.meta
         assert meta is not None, "stage() records what the checkpoint was trained with"
 
         def make_index(objects_section: Section) -> FullIndex:
-            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, *meta.fields())
-        return write_full_file(path, container.KIND_FULL, payload, objects, make_index, engine=engine,
-                               before_commit=before_commit)
+            names, aliases, optimizer_class, compressor = meta.fields()
+            return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, names, aliases,
+                             optimizer_class, compressor, stripes=stripes, stripe_bytes=unit)
+        return write_full_file(path, container.KIND_FULL, memoryview(b"") if stripes else payload, objects,
+                               make_index, engine=engine, before_commit=before_commit)
 
 
 def write_full_file(path: str, kind: int, payload, objects: bytes, make_index, *, engine=None,
@@ -269,10 +293,13 @@ def live_targets(model: torch.nn.Module, optimizer, exclude=frozenset()) -> dict
 
 
 def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None = None,
-              check=None) -> tuple[FullIndex, FullState]:
+              check=None, check_stripes: bool = False) -> tuple[FullIndex, FullState]:
     """Read a full checkpoint: (index, state). The payload is read with O_DIRECT in chunks queued
     together (``payloadread``); each tensor's checksum is verified as soon as its bytes have
     arrived, while later chunks are still being read, so verifying costs no time of its own.
+
+    ``check_stripes``: of a striped checkpoint, also check every stripe file's CRC-32C (``verify``
+    does; the tensors' checksums already cover every byte a resume uses).
 
     ``check(index, outline)``, if given, is called before the payload is read, with the state's
     outline (every tensor a ``meta`` tensor of its dtype and shape): it raises to refuse the file
@@ -293,11 +320,20 @@ def load_full(path: str, *, engine=None, verify: bool = True, into: dict | None 
             raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its "
                                                f"checksum")
         skeleton = tree.loads(objects, path)
-        if check is not None:
-            outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
-                       for e in index.tensors}
-            check(index, _state(path, index, skeleton, outline))
-        buffer, placed = read_payload(path, reader, index.payload_bytes, index.tensors, verify, into or {})
+        # A striped payload: its device directories and files are checked before anything is read.
+        striped = StripedPayload(path, index.stripes, index.stripe_bytes, check_stripes) if index.stripes else None
+        try:
+            if check is not None:
+                outline = {e.key: torch.empty(e.shape, dtype=dtype_from_name(e.dtype, path), device="meta")
+                           for e in index.tensors}
+                check(index, _state(path, index, skeleton, outline))
+            buffer, placed = read_payload(path, striped or reader, index.payload_bytes, index.tensors, verify,
+                                          into or {})
+            if striped is not None and check_stripes:
+                striped.check()
+        finally:
+            if striped is not None:
+                striped.close()
     staging = buffer.tensor() if index.payload_bytes else torch.empty(0, dtype=torch.uint8)
     tensors = {}
     for entry in index.tensors:

@@ -17,15 +17,16 @@ same order, copies, and checks each tensor as soon as its last byte has arrived.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
 import torch
 
 import fastio
-from lowdiff.errors import CorruptCheckpointError
+from lowdiff.errors import CorruptCheckpointError, MissingDeviceError
 from lowdiff.format.records import dtype_name
-from lowdiff.format.schema import PAYLOAD_OFFSET, TensorEntry
+from lowdiff.format.schema import PAYLOAD_OFFSET, TensorEntry, stripe_pieces
 
 LOAD_CHUNK_BYTES = 32 << 20   # a read of this size per queue slot: deep enough, and verify starts early
 RING_CHUNKS = 4               # chunks bound for live tensors in flight at once
@@ -227,3 +228,97 @@ class _Load:
                 wait()
             except (OSError, EOFError):
                 pass   # the first error was raised already, or a checksum failed first
+
+
+class StripedPayload:
+    """The payload of a striped full checkpoint (docs/format.md, "Striped full checkpoints") as
+    one reader: ``submit_read_into`` takes offsets of the logical file (the payload at
+    PAYLOAD_OFFSET, as the index's tensor entries give them) and reads each stripe's part from its
+    own file through its own engine, so every device works on its share of the reads at once.
+
+    Opening checks what can be checked without reading: a device directory that does not exist
+    raises MissingDeviceError (a drive not mounted is never read as an empty or damaged
+    checkpoint); a stripe file that is missing or of another size is damage."""
+
+    def __init__(self, path: str, stripes: tuple, unit: int, check_stripes: bool = False) -> None:
+        self.path, self.stripes, self.unit = path, stripes, unit
+        # ``check_stripes``: each stripe file's CRC-32C, carried on over its bytes as the reads are
+        # waited for (in file order, so in each stripe's order), compared by ``check``.
+        self._crcs: list | None = [[0, 0] for _ in stripes] if check_stripes else None
+        self._readers: list = []
+        self._engines: list = []
+        home = os.path.dirname(os.path.abspath(path))
+        try:
+            for number, stripe in enumerate(stripes):
+                directory = stripe.dir if stripe.dir is not None else home
+                if not os.path.isdir(directory):
+                    raise MissingDeviceError(f"{path}: stripe {number} of its payload is in {directory}, which does "
+                                             f"not exist (a drive that is not mounted?); mount it and retry, or "
+                                             f"resume from an older checkpoint with resume(..., step=...)")
+                stripe_path = os.path.join(directory, stripe.file)
+                try:
+                    size = os.stat(stripe_path).st_size
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(stripe_path, f"stripe {number} of {path} is missing") from None
+                if size != stripe.nbytes:
+                    raise CorruptCheckpointError(stripe_path, f"stripe {number} of {path} is {size} bytes, its "
+                                                              f"index says {stripe.nbytes}")
+                engine = fastio.make_engine(fastio.FastioConfig.from_env())   # one queue per device
+                self._engines.append(engine)
+                self._readers.append(fastio.Reader(stripe_path, engine=engine))
+        except BaseException:
+            self.close()
+            raise
+
+    def submit_read_into(self, offset: int, out):
+        """Start reading ``len(out)`` bytes of the logical file at ``offset``; return the wait."""
+        view = memoryview(out).cast("B")
+        low, high = offset - PAYLOAD_OFFSET, offset - PAYLOAD_OFFSET + view.nbytes
+        pieces = stripe_pieces(self.unit, len(self.stripes), low, high)
+        if any(at + nbytes > self.stripes[device].nbytes for device, at, _, nbytes in pieces):
+            raise EOFError(f"read of {view.nbytes} bytes at payload offset {low} is outside the stripes of {self.path}")
+        # Consecutive units of one device are one read: a chunk becomes a read per device.
+        merged: list = []
+        for device, at, position, nbytes in pieces:
+            if merged and merged[-1][0] == device and merged[-1][1] + merged[-1][3] == at \
+                    and merged[-1][2] + merged[-1][3] == position:
+                merged[-1][3] += nbytes
+            else:
+                merged.append([device, at, position, nbytes])
+        waits = [self._readers[device].submit_read_into(at, view[position - low:position - low + nbytes])
+                 for device, at, position, nbytes in merged]
+
+        def wait() -> None:
+            for one in waits:
+                one()
+            crcs = self._crcs
+            if crcs is None:
+                return
+            for device, at, position, nbytes in merged:
+                crc, done = crcs[device]
+                if at == done:   # (a stripe is read once, in order: each piece continues its CRC)
+                    crcs[device] = [fastio.crc32c(view[position - low:position - low + nbytes], crc), done + nbytes]
+        return wait
+
+    def check(self) -> None:
+        """With ``check_stripes``, after the whole payload was read: raise CorruptCheckpointError
+        naming the first stripe file whose CRC-32C is not its index's (bytes no tensor covers)."""
+        home = os.path.dirname(os.path.abspath(self.path))
+        for number, (stripe, (crc, done)) in enumerate(zip(self.stripes, self._crcs or ())):
+            if done != stripe.nbytes or crc != stripe.crc32c:
+                raise CorruptCheckpointError(os.path.join(stripe.dir or home, stripe.file),
+                                             f"stripe {number} of {self.path} fails its CRC-32C")
+
+    def close(self) -> None:
+        """Idempotent: every reader, then every engine (after their reads)."""
+        readers, engines, self._readers, self._engines = self._readers, self._engines, [], []
+        for reader in readers:
+            reader.close()
+        for engine in engines:
+            engine.close()
+
+    def __enter__(self) -> StripedPayload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

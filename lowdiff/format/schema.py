@@ -191,31 +191,109 @@ class FullMeta:
                 tuple(names), aliases, fields.get("optimizer_class", str), fields.get("compressor", str))
 
 
+@dataclasses.dataclass(frozen=True)
+class Stripe:
+    """The file of one device of a striped full checkpoint's payload (docs/format.md, "Striped full
+    checkpoints"): ``file`` in the device directory ``dir`` (None: the checkpoint's own directory),
+    ``nbytes`` long, its CRC-32C. Which payload bytes it holds follows from its position among the
+    stripes and the index's ``stripe_bytes`` (``stripe_pieces``)."""
+
+    dir: str | None
+    file: str
+    nbytes: int
+    crc32c: int
+
+    def to_json(self) -> dict:
+        return {"dir": self.dir, "file": self.file, "nbytes": self.nbytes, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_json(cls, path: str, obj, position: int) -> Stripe:
+        fields = _Fields(path, obj, f"stripe #{position}")
+        directory = fields.get("dir", (str, type(None)))
+        name = fields.get("file", str)
+        if "/" in name or name in ("", ".", "..") or (directory is not None and not directory.startswith("/")):
+            raise fields.bad(f"stripe file {name!r} in {directory!r} is not a plain name in an absolute directory")
+        return cls(directory, name, fields.count("nbytes"), fields.count("crc32c"))
+
+
+def stripe_sizes(payload_bytes: int, unit: int, count: int) -> list[int]:
+    """The size of each of ``count`` stripe files of a payload laid out in units of ``unit`` bytes,
+    unit ``i`` on device ``i mod count`` (the last unit may be shorter)."""
+    units, tail = divmod(payload_bytes, unit)
+    sizes = [(units // count + (1 if k < units % count else 0)) * unit for k in range(count)]
+    if tail:
+        sizes[units % count] += tail
+    return sizes
+
+
+def stripe_pieces(unit: int, count: int, low: int, high: int) -> list[tuple[int, int, int, int]]:
+    """``[(device, offset in its stripe file, payload offset, nbytes)]``: where the payload bytes
+    ``[low, high)`` are (unit ``i`` = payload bytes ``[i * unit, (i + 1) * unit)`` is the
+    ``i // count``-th unit of device ``i mod count``'s file)."""
+    out, position = [], low
+    while position < high:
+        number, within = divmod(position, unit)
+        nbytes = min(unit - within, high - position)
+        out.append((number % count, (number // count) * unit + within, position, nbytes))
+        position += nbytes
+    return out
+
+
+def stripes_from_json(path: str, items, payload_bytes: int, unit: int, what: _Fields) -> tuple:
+    """The stripes of a list read from ``path``, checked against the layout of ``payload_bytes``
+    in units of ``unit``: one stripe per device, each of the size the layout gives it."""
+    stripes = tuple(Stripe.from_json(path, item, i) for i, item in enumerate(items))
+    if not stripes:
+        return stripes
+    if unit <= 0 or unit % PAGE or len(stripes) > -(-payload_bytes // unit):
+        raise what.bad(f"{len(stripes)} stripes in units of {unit} bytes do not lay out a payload of "
+                       f"{payload_bytes} bytes (whole pages, every stripe holding a unit)")
+    sizes = stripe_sizes(payload_bytes, unit, len(stripes))
+    for position, (stripe, size) in enumerate(zip(stripes, sizes)):
+        if stripe.nbytes != size:
+            raise what.bad(f"stripe #{position} is {stripe.nbytes} bytes, the layout gives it {size}")
+    return stripes
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class FullIndex(FullMeta):
-    """The index of a full checkpoint (docs/format.md, "Full checkpoint")."""
+    """The index of a full checkpoint (docs/format.md, "Full checkpoint"). ``stripes`` (empty: the
+    payload is in the file itself) are the files holding a striped checkpoint's payload."""
 
     payload_bytes: int
+    stripes: tuple = ()
+    stripe_bytes: int = 0     # the unit of the striped layout (0: not striped)
 
     # The arguments keep the order of the index's fields that callers construct it with.
     def __init__(self, step: int, session: str, run: str | None, payload_bytes: int, tensors: tuple,
-                 objects: Section, param_names: tuple, param_aliases: dict, optimizer_class: str, compressor: str):
+                 objects: Section, param_names: tuple, param_aliases: dict, optimizer_class: str, compressor: str,
+                 stripes: tuple = (), stripe_bytes: int = 0):
         super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
         object.__setattr__(self, "payload_bytes", payload_bytes)
+        object.__setattr__(self, "stripes", tuple(stripes))
+        object.__setattr__(self, "stripe_bytes", stripe_bytes if stripes else 0)
 
     def to_json(self) -> dict:
-        return {**self.meta_json("full"), "payload_bytes": self.payload_bytes}
+        out = {**self.meta_json("full"), "payload_bytes": self.payload_bytes}
+        if self.stripes:   # absent in a checkpoint that is not striped: its bytes stay as before
+            out["stripes"] = [s.to_json() for s in self.stripes]
+            out["stripe_bytes"] = self.stripe_bytes
+        return out
 
     @classmethod
     def from_json(cls, path: str, obj, file_bytes: int) -> FullIndex:
         fields = check_header(path, obj, "full")
         payload_bytes = fields.count("payload_bytes")
-        if payload_bytes % PAGE or PAYLOAD_OFFSET + payload_bytes > file_bytes:
+        items = fields.get("stripes", list, [])
+        unit = fields.count("stripe_bytes") if items else 0
+        stripes = stripes_from_json(path, items, payload_bytes, unit, fields)
+        in_file = 0 if stripes else payload_bytes   # a striped payload is in its stripes, not here
+        if payload_bytes % PAGE or PAYLOAD_OFFSET + in_file > file_bytes:
             raise fields.bad(f"payload of {payload_bytes} bytes does not fit a {file_bytes}-byte file in whole pages")
         tensors = tuple(TensorEntry.from_json(path, t, i) for i, t in enumerate(fields.get("tensors", list)))
         _check_disjoint(fields, tensors, PAYLOAD_OFFSET, PAYLOAD_OFFSET + payload_bytes)
         objects = Section.from_json(path, fields.get("objects", dict), "objects section")
-        if objects.offset < PAYLOAD_OFFSET + payload_bytes or objects.offset + objects.nbytes > file_bytes:
+        if objects.offset < PAYLOAD_OFFSET + in_file or objects.offset + objects.nbytes > file_bytes:
             raise fields.bad(f"objects section at offset {objects.offset} ({objects.nbytes} bytes) lies outside "
                              f"the file after the payload")
         names = fields.get("param_names", list)
@@ -224,7 +302,8 @@ class FullIndex(FullMeta):
                 isinstance(v, int) and 0 <= v < len(names) for v in aliases.values()):
             raise fields.bad("param_names/param_aliases do not describe the optimizer's parameters")
         step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(fields, names, aliases)
-        return cls(step, session, run, payload_bytes, tensors, objects, names, aliases, optimizer_class, compressor)
+        return cls(step, session, run, payload_bytes, tensors, objects, names, aliases, optimizer_class, compressor,
+                   stripes, unit)
 
 
 def _check_disjoint(fields: _Fields, tensors: tuple, start: int, end: int) -> None:

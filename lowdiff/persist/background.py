@@ -21,6 +21,7 @@ from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import encode_record
 from lowdiff.format.schema import TrainedWith
 from lowdiff.persist.pinned import PinnedStaging
+from lowdiff.store.stripes import remove_stripes
 
 
 class _ErrorSlot:
@@ -395,12 +396,26 @@ class FullWriter:
                 finally:
                     pending.copied.set()
             path = self.store.full_path(step)
-            nbytes = self._snapshot.persist(path, self.store.session, run=self.store.run, engine=self._engine,
-                                            before_commit=pending.may_commit if pending is not None else None)
+            devices = self.store.stripes
+            written: list = []   # the stripes written, for the manifest
+            stripe = None
+            if devices is not None:
+                def stripe(payload):
+                    unit, stripes = devices.write(step, self.store.session, payload)
+                    written[:] = stripes
+                    return unit, stripes
+            try:
+                nbytes = self._snapshot.persist(path, self.store.session, run=self.store.run, engine=self._engine,
+                                                before_commit=pending.may_commit if pending is not None else None,
+                                                stripe=stripe)
+            except BaseException:
+                remove_stripes(self.store.directory, written)   # no committed file names them
+                raise
             if nbytes is None:
+                remove_stripes(self.store.directory, written)   # named by nothing
                 return  # discarded: the training thread saw the state change during the copy
             faults.point("full-commit")
-            self.store.commit_full(step, path, nbytes, base=base)
+            self.store.commit_full(step, path, nbytes, base=base, stripes=tuple(written))
             self.controller.full_persisted(time.perf_counter() - started, nbytes)
         except BaseException as exc:
             self._errors.error = exc
@@ -423,8 +438,11 @@ class FullWriter:
         self._errors.check()
 
     def close(self) -> None:
-        """Training thread: ``wait``, then end the worker thread."""
+        """Training thread: ``wait``, then end the worker thread and let staging go (unlocking it
+        if it was page-locked for device copies)."""
         try:
             self.wait()
         finally:
             self._worker.close()
+            if self._pinned is not None:
+                self._snapshot.drop_buffer()

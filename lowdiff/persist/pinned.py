@@ -1,23 +1,34 @@
-"""lowdiff.persist.pinned: a full checkpoint of CUDA tensors copied to the host in chunks through a
-bounded ring of reused pinned buffers, on a side stream, off the training thread.
+"""lowdiff.persist.pinned: a full checkpoint of CUDA tensors copied to the host off the training
+thread, on a side stream: straight into the staging buffer when that buffer can be page-locked
+(registered with CUDA), else in chunks through a bounded ring of reused pinned buffers.
 
 Why: a device-to-host copy into pageable memory (the staging buffer fastio writes from with
 O_DIRECT) is slow and synchronous; into pinned memory it runs at the link's speed and
-asynchronously. Pinning the whole staging buffer would pin a state-sized amount of host memory for
-good; a ring of ``slots`` chunks of ``chunk_bytes`` bounds the pinned memory at ``slots *
-chunk_bytes`` (128 MiB by default) whatever the model's size.
+asynchronously.
+
+Registered staging (the default on a GPU): the snapshot's staging buffer is registered once with
+``cudaHostRegister`` (it is reused from checkpoint to checkpoint, so this is paid once) and every
+tensor is copied into its place in it by the DMA engines; nothing else touches the bytes before
+fastio writes them. Pinned host memory: the staging buffer, one state's size, which exists
+anyway (DCP's ``async_save`` pins a state-sized copy likewise). The ring below adds a host memcpy
+per chunk: on one H100 it took 8x a pinned copy of the state (docs/measurements.md).
+
+The ring (where registration fails, e.g. a memory-lock limit): ``slots`` chunks of
+``chunk_bytes`` bound the pinned memory at ``slots * chunk_bytes`` (128 MiB by default) whatever
+the model's size; each chunk lands in a slot and is then moved into staging by a host memcpy.
 
 Order of events (one checkpoint):
 
 1. training thread, at the iteration boundary (``FullWriter.take``): ``mark()`` records an event on
    each source device's current stream: the state as the optimizer step left it.
-2. persist thread (``copy``): the side stream waits for that event; chunk n is copied into slot
-   n % slots with ``non_blocking=True`` and an event is recorded after it. Before slot s is
+2. persist thread (``copy``): the side stream waits for that event. Registered staging: every
+   tensor's copy is enqueued, then one event per device is waited for. Ring: chunk n is copied into
+   slot n % slots with ``non_blocking=True`` and an event is recorded after it; before slot s is
    reused, the event of the chunk that last used it is waited for and that chunk is moved from the
-   slot into its place in staging (a host memcpy, GIL released: ``fastio.copy_regions``). So up to
-   ``slots`` chunks are in flight while the host drains the oldest.
+   slot into its place in staging (a host memcpy, GIL released: ``fastio.copy_regions``), so up
+   to ``slots`` chunks are in flight while the host drains the oldest.
 3. training thread, before the next optimizer step (``FullWriter.release``): waits until ``copy``
-   has returned, i.e. every chunk has landed in staging. It never waits for the disk.
+   has returned, i.e. every byte has landed in staging. It never waits for the disk.
 
 The sources must stay unmodified from ``mark()`` to the end of ``copy`` (the next forward and
 backward only read parameters and optimizer state; ``release`` holds back the optimizer step and
@@ -101,6 +112,19 @@ class CudaRing:
         event.record(self._stream(device))
         return event
 
+    @staticmethod
+    def register(address: int, nbytes: int) -> bool:
+        """Page-lock host memory ``[address, address + nbytes)`` for the GPU's DMA engines (False:
+        refused, or a torch without the binding; the ring copies then)."""
+        try:
+            return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
+        except (AttributeError, RuntimeError, TypeError):
+            return False
+
+    @staticmethod
+    def unregister(address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor (a view, no copy)."""
@@ -119,10 +143,14 @@ class PinnedStaging:
         self._ring = ring if ring is not None else CudaRing()
         self._slots: list[torch.Tensor] = []     # allocated at the first copy, then reused
         self.chunks_copied = 0                   # for tests and stats
+        self._registered: dict[int, int] = {}    # staging address -> registered bytes
+        self._unregistrable: set[int] = set()    # staging addresses registration failed for
+        self.direct_copies = 0                   # checkpoints copied straight into registered staging
 
     @property
     def bound_bytes(self) -> int:
-        """The most pinned host memory this ring ever holds."""
+        """The most pinned host memory the ring's slots ever hold (registered staging, when it is
+        used, is the snapshot's own buffer: one state)."""
         return self.chunk_bytes * self.slots
 
     def handles(self, tensor: torch.Tensor) -> bool:
@@ -133,15 +161,20 @@ class PinnedStaging:
         """Training thread, at the boundary: what the copy must wait for (see the module doc)."""
         self._ring.mark(sorted({t.device for t in tensors if self._ring.handles(t)}, key=str))
 
-    def copy(self, destinations: list, sources: list) -> None:
+    def copy(self, destinations: list, sources: list, staging: tuple[int, int] | None = None) -> None:
         """Persist thread: copy each ``sources[i]`` (contiguous; CPU ones directly) into
-        ``destinations[i]`` (host memory of the same bytes), device ones through the ring."""
+        ``destinations[i]`` (host memory of the same bytes), device ones straight into ``staging``
+        (address, bytes: the buffer every destination lies in) when it can be registered, else
+        through the ring."""
         on_device = [i for i, src in enumerate(sources) if self._ring.handles(src)]
         with torch.no_grad():
             for dst, src in zip(destinations, sources):
                 if not self._ring.handles(src):
                     dst.copy_(src)
             if not on_device:
+                return
+            if staging is not None and self._pin(*staging):
+                self._copy_direct([destinations[i] for i in on_device], [sources[i] for i in on_device])
                 return
             if not self._slots:
                 self._slots = [self._ring.slot(self.chunk_bytes) for _ in range(self.slots)]
@@ -159,6 +192,41 @@ class PinnedStaging:
                 in_flight.append((slot, chunk, [self._ring.record_done(d) for d in sorted(devices, key=str)]))
             while in_flight:
                 self._drain(in_flight.popleft(), dst_bytes)
+
+    def _pin(self, address: int, nbytes: int) -> bool:
+        """Whether staging ``[address, address + nbytes)`` is registered (registering it now if
+        it is not; a buffer grown in place is registered again at its new size)."""
+        if self._registered.get(address, -1) >= nbytes:
+            return True
+        if address in self._unregistrable or not hasattr(self._ring, "register"):
+            return False
+        if address in self._registered:
+            self.forget(address)
+        if self._ring.register(address, nbytes):
+            self._registered[address] = nbytes
+            return True
+        self._unregistrable.add(address)   # not tried again for this buffer: the ring copies it
+        return False
+
+    def forget(self, address: int) -> None:
+        """Unregister staging at ``address`` (before its memory is unmapped)."""
+        self._unregistrable.discard(address)
+        if self._registered.pop(address, None) is not None:
+            self._ring.unregister(address)
+
+    def forget_all(self) -> None:
+        for address in list(self._registered):
+            self.forget(address)
+
+    def _copy_direct(self, destinations: list, sources: list) -> None:
+        """Every device tensor into its place in registered staging; returns once all landed."""
+        self._ring.wait_marked()
+        for dst, src in zip(destinations, sources):
+            self._ring.copy_async(byte_view(dst), byte_view(src))
+        devices = sorted({src.device for src in sources}, key=str)
+        for event in [self._ring.record_done(d) for d in devices]:
+            event.synchronize()
+        self.direct_copies += 1
 
     def _drain(self, entry: tuple, dst_bytes: list) -> None:
         """Wait for ``entry``'s chunk to land in its slot, then move it into staging (GIL released)."""

@@ -41,7 +41,11 @@ class CheckpointSession:
             # (Partitioned: each rank drains its own rank directory; the join happens in there.)
             self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition)
         elif partition is None:
-            self.store = CheckpointStore(directory, config.retention)
+            self.store = CheckpointStore(directory, config.retention, stripe_dirs=config.stripe_dirs)
+        elif config.stripe_dirs:
+            raise ValueError(f"Options(stripe_dirs={config.stripe_dirs!r}) under torch.distributed: striping a rank "
+                             f"directory's full checkpoints is not supported yet (give each rank its own drive "
+                             f"through the checkpoint directory instead)")
         else:
             self.store = CheckpointStore(partition.directory, config.retention, complete=partition.complete)
             partition.join(self.store)
@@ -60,6 +64,7 @@ class CheckpointSession:
         self.diffs = DiffWriter(self.store, self.controller, config.max_pending_batches, engine,
                                 batch_format=partition, drop_covered=config.replica)
         self.fulls = FullWriter(self.store, self.controller, engine,
+                                background_copy=config.full_copy == "background",
                                 snapshot=None if partition is None else partition.snapshot())
         self.controller.load_state(self.directory)   # measurements of earlier sessions (CONTROLLER.json)
         self.recording = self.controller.differentials   # differentials in force (see begin_step)
@@ -70,6 +75,7 @@ class CheckpointSession:
         self._resumed = False
         self._last_full_step = 0
         self._full_due = False            # take a full checkpoint at the end of this step
+        self.fulls_deferred = 0           # steps a due full checkpoint was put off (busy writer)
         self._staging_prepared = False
 
     # ------------------------------------------------------------ scheduling full checkpoints
@@ -96,11 +102,21 @@ class CheckpointSession:
 
     def full_checkpoint_due(self, step: int) -> bool:
         """Whether a full checkpoint ends ``step``: forced, or ``full_every`` steps since the last
-        one. A forced one counts as taken once this has said so."""
-        if self._full_due or step - self._last_full_step >= self.controller.full_every:
+        one. A forced one counts as taken once this has said so.
+
+        With the controller choosing ``full_every`` (Auto), one that falls due while the previous
+        is still being written is put off to the first step after that write ends: the
+        differentials hold every step meanwhile, so nothing is at risk, and waiting would stall
+        training for the disk (staging is reused). A fixed ``full_every`` is kept as given."""
+        if self._full_due:
             self._full_due = False
             return True
-        return False
+        if step - self._last_full_step < self.controller.full_every:
+            return False
+        if self.controller.auto_full and self.recording and self.fulls.busy():
+            self.fulls_deferred += 1
+            return False
+        return True
 
     def begin_step(self) -> bool:
         """Before the optimizer step: whether this step records a differential. They stop at once
@@ -215,7 +231,7 @@ class CheckpointSession:
         out = {"step": step, "full_every": self.controller.full_every,
                "batch_steps": self.controller.batch_steps, "differentials": self.recording,
                "background_copy": self.fulls.background_copy,
-               "outside_changes": outside_changes,
+               "outside_changes": outside_changes, "fulls_deferred": self.fulls_deferred,
                **self.controller.stats()}
         if self.drainer is not None:
             out["tiers"] = self.drainer.snapshot()

@@ -23,6 +23,7 @@ from lowdiff.errors import CheckpointLockedError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, diff_name, full_name, write_manifest
 from lowdiff.store.retention import KeepLast, Policy, check_policy, cleans_at_batch_commit, retain
+from lowdiff.store.stripes import StripeDevices, check_devices, check_stripe_dirs, remove_stripes
 
 log = logging.getLogger("lowdiff")
 LOCK_NAME = "LOCK"
@@ -34,16 +35,20 @@ class CheckpointStore:
     clean_point = "retention"
 
     def __init__(self, directory: str, policy: Policy = DEFAULT_POLICY, complete=None,
-                 pinned: Callable[[], Set[str]] | None = None):
+                 pinned: Callable[[], Set[str]] | None = None, stripe_dirs=()):
         """``policy``: what retention keeps (lowdiff.store.retention). ``complete(fulls) -> {(step,
         session)}``: in a partitioned directory, which of this directory's full checkpoints belong
         to a complete set; retention then counts only those. ``pinned()``: files retention must
-        keep whatever the policy says (a storage tier's files not copied yet)."""
+        keep whatever the policy says (a storage tier's files not copied yet). ``stripe_dirs``:
+        directories on other devices that full checkpoints are striped over with this one
+        (lowdiff.store.stripes; ``stripes`` is then their writer, else None)."""
         check_policy("policy", policy)
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise NotADirectoryError(f"{self.directory} is a file, not a checkpoint directory")
         make_durable_directory(self.directory)
+        self._stripe_dirs = check_stripe_dirs(self.directory, stripe_dirs)
+        self.stripes: StripeDevices | None = None
         self.policy = policy
         self.pinned = pinned
         self._complete = complete
@@ -66,9 +71,22 @@ class CheckpointStore:
         inventory = take_inventory(self.directory)
         for note in inventory.notes:
             log.warning("lowdiff: %s", note)
+        check_devices(self.directory, inventory.manifest)
+        if self._stripe_dirs:   # created only now: a listed stripe's missing device was refused above
+            for device in self._stripe_dirs:
+                make_durable_directory(device)
+            self.stripes = StripeDevices(self.directory, self._stripe_dirs)
         self.run = inventory.manifest.run or secrets.token_hex(8)
+        if inventory.retired_present and inventory.committed is not None:
+            # A striped checkpoint's stripes go first: once its file is gone nothing names them.
+            committed = Manifest.from_json(inventory.committed, os.path.join(self.directory, "MANIFEST.json"))
+            for entry in committed.retired:
+                if entry.file in inventory.retired_present:
+                    remove_stripes(self.directory, entry.stripes)
         for name in inventory.retired_present + inventory.dead_temps:
             _unlink(os.path.join(self.directory, name))
+        for path in self.stripes.dead_temps() if self.stripes is not None else ():
+            _unlink(path)
         self.manifest = dataclasses.replace(inventory.manifest, run=self.run, retired=[])
         if inventory.changed and self.manifest.files():
             write_manifest(self.directory, self.manifest)
@@ -96,6 +114,8 @@ class CheckpointStore:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self.stripes is not None:
+            self.stripes.close()
 
     # ------------------------------------------------------------------ names
     def full_path(self, step: int) -> str:
@@ -138,12 +158,13 @@ class CheckpointStore:
                 manifest = self._retain(manifest)
             self._commit(manifest)
 
-    def commit_full(self, step: int, path: str, nbytes: int, base: bool) -> None:
+    def commit_full(self, step: int, path: str, nbytes: int, base: bool, stripes: tuple = ()) -> None:
         """List a committed full checkpoint, then apply retention. ``base`` marks the first full
         checkpoint of this session: entries of earlier sessions past ``step`` belong to a timeline
-        that was abandoned when training resumed at ``step``; they are dropped."""
+        that was abandoned when training resumed at ``step``; they are dropped. ``stripes``: the
+        files holding a striped checkpoint's payload (all durable before its file was)."""
         with self._mutex:
-            entry = FullEntry(step, os.path.basename(path), nbytes, self.session)
+            entry = FullEntry(step, os.path.basename(path), nbytes, self.session, tuple(stripes))
             manifest = dataclasses.replace(self.manifest, fulls=self.manifest.fulls + [entry])
             if base:
                 manifest = dataclasses.replace(
@@ -162,13 +183,14 @@ class CheckpointStore:
         """Commit ``manifest``; then delete the files it stopped listing, which it names as retired
         (so a crash before a deletion leaves the next trainer the permission to finish it)."""
         listed = manifest.files()
-        retired = [RetiredEntry(e.file, e.nbytes) for e in self.manifest.fulls + self.manifest.batches
-                   if e.file not in listed]
+        retired = [RetiredEntry(e.file, e.nbytes, getattr(e, "stripes", ())) for e in self.manifest.fulls +
+                   self.manifest.batches if e.file not in listed]
         manifest = dataclasses.replace(manifest, run=self.run, retired=retired)
         write_manifest(self.directory, manifest)
         faults.point("manifest-commit")
         self.manifest = manifest
         for entry in retired:
+            remove_stripes(self.directory, entry.stripes, self.clean_point)   # first: the file names them
             _unlink(os.path.join(self.directory, entry.file))
             faults.point(self.clean_point)
         for hook in self.after_commit:

@@ -236,7 +236,7 @@ def _describe(path: str, name: str, nbytes: int):
         return _describe_share(path, name, nbytes)
     if m := FULL_RE.match(name):
         index = _read_full_index(path)
-        entry = FullEntry(index.step, name, nbytes, m.group(2))
+        entry = FullEntry(index.step, name, nbytes, m.group(2), getattr(index, "stripes", ()))
         check_entry(path, entry, index, nbytes, None)
         return entry, index.run
     m = DIFF_RE.match(name)
@@ -313,6 +313,8 @@ def check_entry(path: str, entry, index, nbytes: int, run: str | None) -> None:
         for key, value in wanted.items():
             if getattr(index, key, None) != value:
                 problems.append(f"its {key} is {getattr(index, key, None)!r}, the manifest says {value!r}")
+        if full and tuple(getattr(index, "stripes", ())) != tuple(entry.stripes):
+            problems.append("its stripes are not the ones the manifest lists")
     if problems:
         raise CorruptCheckpointError(path, "is not the file the manifest lists (replaced or damaged): "
                                            + "; ".join(problems))

@@ -311,6 +311,7 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
     # share in the shared tier was committed locally first.)
     local = PolicyStore(local_dir, tiers.local_policy(retention), complete=in_local)
     try:
+        refuse_striped(local)
         shared = PolicyStore(shared_dir, tiers.shared, clean_point="clean", complete=in_shared)
         try:
             join_runs(local, shared)
@@ -331,6 +332,16 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
         raise
 
 
+def refuse_striped(local: PolicyStore) -> None:
+    """A local tier listing full checkpoints striped over several drives (lowdiff.store.stripes) is
+    refused: the drainer copies one file per entry, and a striped checkpoint's file holds no payload."""
+    striped = [f.file for f in local.manifest.fulls if f.stripes]
+    if striped:
+        raise ValueError(f"{local.directory} holds full checkpoints striped over several drives ({striped[0]}"
+                         f"{' and more' if len(striped) > 1 else ''}): they cannot be drained to a shared tier yet; "
+                         f"wrap without tiers=, or start the tiered run in another directory")
+
+
 def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
                  partition: Partition | None) -> tuple[PolicyStore, Drainer]:
     """``open_tiers`` for an object-store shared tier. A bucket that cannot be opened (missing,
@@ -345,6 +356,7 @@ def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
     local = PolicyStore(directory if partition is None else partition.directory, tiers.local_policy(retention),
                         complete=in_local)
     try:
+        refuse_striped(local)
         shared = BucketStore(url if partition is None else rank_url(url, partition.rank), tiers.shared,
                              tiers.object_store, verify=tiers.verify_copies, complete=in_shared)
         failed = None

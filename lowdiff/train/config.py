@@ -46,6 +46,7 @@ class WrapConfig:
     retention: Policy = KeepLast(2)   # what the main directory keeps (lowdiff.store.retention)
     max_pending_batches: int = 2
     overwrite: bool = False
+    full_copy: str = "background"       # Options.full_copy: "background" or "in_step"
     failure_rate_per_hour: float = 0.1
     max_recovery_s: float | None = None
     batch_memory_bytes: int = 256 * 2**20
@@ -55,6 +56,7 @@ class WrapConfig:
     replica_inexact_gpu: bool = False  # replica mode: a CPU replica of a GPU model accepted (Replica.allow_inexact_gpu)
     tiers: Any = None         # lowdiff.tiers.Tiers: stage to a shared directory (None: one directory)
     differentials: bool | str = True   # record every step; False: full checkpoints only; "auto"
+    stripe_dirs: tuple = ()   # other devices' directories full checkpoints are striped over (Options.stripe_dirs)
 
     def __post_init__(self):
         for name in ("full_every", "batch_steps"):

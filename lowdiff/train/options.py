@@ -20,6 +20,7 @@ What depends on the run and on other arguments is checked by ``wrap``: "auto" an
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Literal
 
@@ -155,11 +156,20 @@ class Options:
     ``opt.step()``; "manual", ``opt.boundary()``, called by the loop after its work between steps.
     ``max_pending_batches``: batches recorded but not yet durable before ``step()`` blocks (a
     SIGKILL loses at most about that many). ``overwrite``: start recording over a directory that
-    holds later steps without resuming from it."""
+    holds later steps without resuming from it. ``full_copy``: where a full checkpoint's state is
+    copied into staging — "background", on the persist thread while the next forward and backward
+    run (``step()`` waits only for what is left of it); "in_step", inside ``step()`` before it
+    returns, which blocks the step for the copy but leaves the next iterations alone: on a CPU
+    whose cores all train, a background copy takes a core from them (docs/measurements.md).
+    ``stripe_dirs``: directories on other local drives (one each) that every full checkpoint's
+    payload is striped over, together with the checkpoint directory, written and read on every
+    drive at once (docs/guide.md, "Several local drives"); empty: one directory."""
 
     boundary: Literal["step", "manual"] = "step"
     max_pending_batches: int = 2
     overwrite: bool = False
+    full_copy: Literal["background", "in_step"] = "background"
+    stripe_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.boundary not in ("step", "manual"):
@@ -168,6 +178,13 @@ class Options:
         _check_counts(self, "max_pending_batches")
         if not isinstance(self.overwrite, bool):
             raise _refuse(self, "overwrite", self.overwrite, "True or False")
+        if self.full_copy not in ("background", "in_step"):
+            raise _refuse(self, "full_copy", self.full_copy,
+                          "'background' (the persist thread, beside the next iteration) or 'in_step' (inside step())")
+        if isinstance(self.stripe_dirs, (str, bytes)) or not all(
+                isinstance(d, (str, os.PathLike)) for d in self.stripe_dirs):
+            raise _refuse(self, "stripe_dirs", self.stripe_dirs, "a tuple of directories (one per drive)")
+        object.__setattr__(self, "stripe_dirs", tuple(os.fspath(d) for d in self.stripe_dirs))
 
 
 def _is_number(value: object) -> bool:
@@ -205,9 +222,12 @@ def wrap_config(full_every: int | str | None, batch_steps: int | str | None, sch
         fields["differentials"] = schedule.differentials
     fields.update(failure_rate_per_hour=schedule.failure_rate_per_hour, max_recovery_s=schedule.max_recovery_s,
                   batch_memory_bytes=schedule.batch_memory_bytes)
+    if options.stripe_dirs and tiers is not None:
+        raise ValueError(f"options=Options(stripe_dirs={options.stripe_dirs!r}) and tiers={tiers!r}: striped full "
+                         f"checkpoints are not drained to a shared tier yet; give one of the two")
     return WrapConfig(**fields, retention=KeepLast(2) if retention is None else retention, tiers=tiers,
                       boundary=options.boundary, max_pending_batches=options.max_pending_batches,
-                      overwrite=options.overwrite)
+                      overwrite=options.overwrite, full_copy=options.full_copy, stripe_dirs=options.stripe_dirs)
 
 
 def schedule_of(full_every: int | str | None, batch_steps: int | str | None) -> Fixed | Auto:

@@ -110,6 +110,11 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # shares of a checkpoint or batch form a set only when every rank cuts at the same steps.
             raise ValueError(f"{' and '.join(auto)}='auto' is not supported under torch.distributed yet: every rank "
                              f"must checkpoint at the same steps; give integers (python -m lowdiff tune suggests them)")
+        if config.stripe_dirs and self.world_size > 1:
+            # (Refused before any collective, on every rank alike.) Each rank's share would have to be
+            # striped over its own drives; the share files cannot name stripes yet.
+            raise ValueError(f"Options(stripe_dirs={config.stripe_dirs!r}) is not supported under torch.distributed "
+                             f"yet: full checkpoints are striped over several drives in single-process training only")
         if config.replica:
             check_replica_arguments(self._capture.compressor, self._capture.params, config.replica_inexact_gpu)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own

@@ -83,12 +83,15 @@ class MergedShares:
     ``entries``, ``steps``, ``prepare_read``, ``read_for_replay``, ``decode_record``)."""
 
     def __init__(self, root: str, shares: list, base_step: int, param_count: int, own: int | None, warn,
-                 fetch: Fetch, live_chunks: dict | None = None):
+                 fetch: Fetch, live_chunks: dict | None = None, own_chunks: bool = False):
         """``live_chunks``: {slot: live DTensor parameter}; a recorded DTensor gradient whose chunks
         are not this rank's chunks of it (another world size or mesh), or whose parameter is not a
-        DTensor here (export, an unsharded model: the whole gradient), is cut from every share's."""
+        DTensor here (export, an unsharded model: the whole gradient), is cut from every share's.
+        ``own_chunks`` (a sharded export, a share at a time): every DTensor gradient is share
+        ``own``'s recorded chunk, as its optimizer consumed it."""
         self.path = root
         self._live = live_chunks or {}
+        self._own_chunks = own_chunks
         self._chunks = [next((index.dtensors for _, index in share.files if isinstance(index, DiffShareIndex)), {})
                         for share in shares]
         self.index_error = None
@@ -117,8 +120,9 @@ class MergedShares:
             for slot in slots:
                 if slot < 0:   # a DTensor chunk in every share: this rank's own if it is its live chunk
                     slot = -1 - slot
-                    if slot < param_count and share == self._own and slot in self._live and \
-                            dtensors.same_chunk(self._chunks[share][slot], self._live[slot]):
+                    if slot < param_count and share == self._own and (self._own_chunks or slot in self._live and
+                                                                      dtensors.same_chunk(self._chunks[share][slot],
+                                                                                          self._live[slot])):
                         owner[slot] = share
                     elif slot < param_count and owner[slot] == -1:
                         owner[slot] = _ASSEMBLE   # unless the own share turns out to be it (above)

@@ -183,8 +183,10 @@ def _give_up(fset: FullSet, problems: dict) -> None:
         warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; falling back to an older set")
 
 
-def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded | None:
+def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: int | None = None) -> _Loaded | None:
     """The set's state on this rank, or None (every rank alike) when a share does not verify.
+    ``as_share`` (one process, no process group: a sharded ``export``): share ``as_share``'s own
+    state instead of rank 0's, its DTensor chunks as the plain tensors they were written as.
 
     Indexes and this rank's own part come first: with them the state's outline is checked
     (``check_full``) before a byte is read into the caller's tensors (``into()``, as
@@ -192,7 +194,7 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     into them; the rest into one staging buffer. A share that fails its checksums after that
     leaves part of its bytes in those tensors: the older set that resume falls back to overwrites
     them, as a plain directory's does."""
-    own = rank if rank < fset.count else 0
+    own = as_share if as_share is not None else rank if rank < fset.count else 0
     problems: dict = {}
     indexes = _read_indexes(fset, problems)
     own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own)
@@ -227,7 +229,7 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
     # share's recorded chunks: read and check them all now, so that a damaged one makes every rank
     # fall back to an older set instead of failing half-way through the rebuild.
     chunks: dict = {}   # share -> {key: (chunk entry, tensor)}
-    if indexes[own].dtensors and (world != fset.count or not dtensors.meshes_of(live.values())):
+    if indexes[own].dtensors and as_share is None and (world != fset.count or not dtensors.meshes_of(live.values())):
         for i in range(fset.count):
             try:
                 _read_chunks(fset, indexes, i, chunks)
@@ -239,8 +241,10 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into) -> _Loaded 
             return None
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
+    rebuild = _chunk_rebuilder(fset, rank, live, indexes, chunks) if as_share is None else \
+        (lambda key, local, entry: local)   # the share's own chunks, as written: nothing to cut
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
-                      _chunk_rebuilder(fset, rank, live, indexes, chunks))
+                      rebuild)
     return _Loaded(indexes[own], state, fset.files[own])
 
 

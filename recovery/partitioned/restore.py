@@ -116,13 +116,14 @@ def _note_world_change(fset: FullSet, rank: int, world: int) -> None:
 
 
 def _replay_chain(root: str, fset: FullSet, index: FullIndex, rank: int, world: int, *, params, optimizer,
-                  stop_step, workers, times):
+                  stop_step, workers, times, as_share: int | None = None):
     """Exchange and replay the differential shares continuing ``fset``: (last step, its record)."""
     shares = _exchange_indexes(root, fset, rank, world)
     try:
         live = {slot: p.param for slot, p in enumerate(params) if isinstance(p, LocalGradTarget)}
-        merged = MergedShares(root, shares, fset.step, len(index.param_names),
-                              rank if rank < fset.count else None, warn, _fetcher(shares, rank, world), live)
+        own = as_share if as_share is not None else rank if rank < fset.count else None
+        merged = MergedShares(root, shares, fset.step, len(index.param_names), own, warn,
+                              _fetcher(shares, rank, world), live, own_chunks=as_share is not None)
     except CorruptCheckpointError as exc:   # every rank decodes the same bytes: all stop here
         warn(f"lowdiff: {exc}; resuming at step {fset.step}, the full checkpoint's step")
         return fset.step, None
@@ -179,7 +180,8 @@ class PartitionedLayout:
     """How recovery.execute reads a partitioned directory's files on this rank (``into()``: the
     live tensors the shared state is read straight into; ``workers``: the replay's threads)."""
 
-    def __init__(self, check_full, into, workers: int | None):
+    def __init__(self, check_full, into, workers: int | None, as_share: int | None = None):
+        self._as_share = as_share   # see load_set: one process exporting one share's chunks
         self._check_full = check_full
         self._into = into
         self._workers = workers
@@ -187,18 +189,24 @@ class PartitionedLayout:
 
     def load(self, plan: Plan, position: int, skipped: list) -> Loaded | None:
         fset = plan.candidates[position].source
-        loaded = load_set(fset, self._rank, self._world, self._check_full, self._into)
+        if self._as_share is not None and self._as_share >= fset.count:   # an older set, of fewer ranks
+            skipped.append((os.path.basename(fset.files[0]), f"the set of step {fset.step} has no share "
+                                                             f"{self._as_share} ({fset.count} shares)"))
+            return None
+        loaded = load_set(fset, self._rank, self._world, self._check_full, self._into, self._as_share)
         if loaded is None:
             skipped.append(_skipped(fset))
             return None
-        own = self._rank < fset.count
+        own = self._rank < fset.count or self._as_share is not None
         state = loaded.state if own else dataclasses.replace(loaded.state, rng={}, extra={}, residuals={})
-        _note_world_change(fset, self._rank, self._world)
+        if self._as_share is None:
+            _note_world_change(fset, self._rank, self._world)
         return Loaded(full_index(loaded.index), state, loaded.path, (), own)
 
     def replay(self, plan: Plan, candidate: Candidate, loaded: Loaded, params: list, optimizer, times) -> tuple:
         return _replay_chain(plan.directory, candidate.source, loaded.index, self._rank, self._world, params=params,
-                             optimizer=optimizer, stop_step=plan.target, workers=self._workers, times=times)
+                             optimizer=optimizer, stop_step=plan.target, workers=self._workers, times=times,
+                             as_share=self._as_share)
 
     def release(self, loaded: Loaded) -> None:
         pass   # _replay_chain closes the chain it fetched
@@ -209,11 +217,11 @@ class PartitionedLayout:
 
 
 def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimizer_for, stop_step=None,
-                        workers=None, into=None) -> tuple[Restored | None, bool]:
+                        workers=None, into=None, as_share: int | None = None) -> tuple[Restored | None, bool]:
     """Restore the newest state of the partitioned directory ``root`` (at or before ``stop_step``),
     on every rank of the process group alike: ``plan_partitioned``, then recovery.execute. Returns
     (what was restored, or None when no complete set exists; whether this rank got its own
-    per-rank state back). Callbacks and ``into`` as recovery.restore."""
+    per-rank state back). Callbacks and ``into`` as recovery.restore; ``as_share`` as load_set."""
     plan = plan_partitioned(root, check_full=check_full, stop_step=stop_step)
-    return execute(plan, PartitionedLayout(check_full, into, workers), apply_full=apply_full, params_for=params_for,
-                   optimizer_for=optimizer_for)
+    return execute(plan, PartitionedLayout(check_full, into, workers, as_share), apply_full=apply_full,
+                   params_for=params_for, optimizer_for=optimizer_for)

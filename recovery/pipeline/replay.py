@@ -47,6 +47,13 @@ class ReplayTimes:
             self.decode_s += decode_s
 
 
+# Decoding threads of a replay onto a GPU. There the optimizer's step is a few kernel launches and
+# the decoders' Python (record metadata, per-tensor views) is what is left to contend for the GIL:
+# on one H100's 16-core host, 8 decoders each took 10x their time alone and replay ran no faster
+# than serial (docs/measurements.md has the replay time per record by worker count).
+GPU_REPLAY_WORKERS = 2
+
+
 def default_workers() -> int:
     """Decoding threads of a replay when none are given (lowdiff.step.apply.replay_workers)."""
     return replay_workers()
@@ -137,62 +144,93 @@ def _load(reader, position: int, buffers: GradientBuffers, times: ReplayTimes, m
     return prepared, buffer
 
 
+class ReplayPipeline:
+    """A replay in two halves: built, it starts reading and decoding the first records of ``chain``
+    (``window`` of them, on ``workers`` threads); ``run(optimizer)`` then applies them all in step
+    order. Built before the full checkpoint is loaded, the decoding of the first records overlaps
+    that load (recovery.restore does so for resume), which the optimizer's steps cannot: they
+    need the loaded state. ``close()`` (always, e.g. when the load fails) cancels what is left.
+
+    The records are only read and decoded before ``run``: nothing touches the parameters or the
+    optimizer until then, so building one early changes no byte of the result."""
+
+    def __init__(self, chain: list, base_step: int, params: list, *, warn, stop_step=None, workers=None,
+                 window: int | None = None, times: ReplayTimes | None = None):
+        self.buffers = GradientBuffers(params)
+        self.feed = DeviceFeed.for_layout(self.buffers.layout)   # None on the CPU
+        if workers is None:
+            workers = default_workers() if self.feed is None else min(default_workers(), GPU_REPLAY_WORKERS)
+        workers = check_workers(workers)
+        self.warn, self.base_step = warn, base_step
+        self.window = window or 4 * workers
+        self.times = times if times is not None else ReplayTimes()
+        self.times.workers = workers
+        self.tasks = _tasks(chain, base_step + 1, stop_step, warn)
+        last_listed = max([entry.last for entry, _ in chain], default=base_step)
+        self.expected = min(last_listed, stop_step if stop_step is not None else last_listed) - base_step
+        self.in_flight: collections.deque = collections.deque()
+        self.memory = _RecordMemory()
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay")
+        self._fill()
+
+    def _fill(self) -> None:
+        _fill(self.in_flight, self.tasks, self.pool, self.window, self.buffers, self.times, self.memory, self.feed)
+
+    def run(self, optimizer):
+        """Apply every record through ``optimizer``; (last step, its record). Closes the pipeline."""
+        wall_started = time.perf_counter()
+        step, last = self.base_step, None
+        times, buffers, memory = self.times, self.buffers, self.memory
+        progress = Progress(self.expected, "replaying differentials")
+        held = None   # the read buffer of the last record applied (its record is returned)
+        # keep_freed_memory: each optimizer step reuses the pages of the temporaries the last one freed
+        # instead of faulting new ones in (recovery.pipeline.heapreuse: a GPT-2 resume's AdamW steps ran 1.2x
+        # (TopK) to 2x (Dense) faster).
+        with keep_freed_memory():
+            try:
+                while self.in_flight:
+                    item = self.in_flight.popleft()
+                    if isinstance(item, CorruptCheckpointError):
+                        self.warn(f"lowdiff: {item}; resuming at step {step}, the last step that verifies")
+                        break
+                    try:
+                        prepared, buffer = item.result()
+                    except (CorruptCheckpointError, OSError, EOFError) as exc:
+                        self.warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
+                        break
+                    started = time.perf_counter()
+                    buffers.apply(prepared, optimizer)
+                    times.apply_s += time.perf_counter() - started
+                    memory.give(held)
+                    held = buffer
+                    self._fill()   # after the apply: at most ``window`` held
+                    times.records += 1
+                    progress.update()
+                    step, last = prepared.record.step, prepared.record
+            finally:
+                progress.close()
+                self.close()
+                buffers.detach()
+                times.wall_s += time.perf_counter() - wall_started
+        return step, last
+
+    def close(self) -> None:
+        """Cancel the decodes not started and wait for those running (idempotent)."""
+        for item in self.in_flight:
+            if isinstance(item, concurrent.futures.Future):
+                item.cancel()
+        self.in_flight.clear()
+        self.pool.shutdown(wait=True)
+
+
 def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_step=None, workers=None,
            window: int | None = None, times: ReplayTimes | None = None):
     """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]) with
-    ``workers`` decoding threads (default: ``default_workers()``) and at most ``window`` records
-    in flight (default: 4 per worker; fewer when two or more hold WINDOW_BYTES). Returns (last
-    step, its record); adds timings to ``times``."""
-    workers = default_workers() if workers is None else check_workers(workers)
-    wall_started = time.perf_counter()
-    window = window or 4 * workers
-    times = times if times is not None else ReplayTimes()
-    times.workers = workers
-    step, last = base_step, None
-    tasks = _tasks(chain, base_step + 1, stop_step, warn)
-    last_listed = max([entry.last for entry, _ in chain], default=base_step)
-    progress = Progress(min(last_listed, stop_step if stop_step is not None else last_listed) - base_step,
-                        "replaying differentials")
-    in_flight: collections.deque = collections.deque()
-    buffers = GradientBuffers(params)
-    feed = DeviceFeed.for_layout(buffers.layout)   # None on the CPU
-    memory = _RecordMemory()
-    held = None   # the read buffer of the last record applied (its record is returned)
-    # keep_freed_memory: each optimizer step reuses the pages of the temporaries the last one freed
-    # instead of faulting new ones in (recovery.pipeline.heapreuse: a GPT-2 resume's AdamW steps ran 1.2x (TopK)
-    # to 2x (Dense) faster).
-    with keep_freed_memory(), \
-            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lowdiff-replay") as pool:
-        try:
-            _fill(in_flight, tasks, pool, window, buffers, times, memory, feed)
-            while in_flight:
-                item = in_flight.popleft()
-                if isinstance(item, CorruptCheckpointError):
-                    warn(f"lowdiff: {item}; resuming at step {step}, the last step that verifies")
-                    break
-                try:
-                    prepared, buffer = item.result()
-                except (CorruptCheckpointError, OSError, EOFError) as exc:
-                    warn(f"lowdiff: {exc}; resuming at step {step}, the last step that verifies")
-                    break
-                started = time.perf_counter()
-                buffers.apply(prepared, optimizer)
-                times.apply_s += time.perf_counter() - started
-                memory.give(held)
-                held = buffer
-                # after the apply: at most ``window`` held
-                _fill(in_flight, tasks, pool, window, buffers, times, memory, feed)
-                times.records += 1
-                progress.update()
-                step, last = prepared.record.step, prepared.record
-        finally:
-            progress.close()
-            for item in in_flight:
-                if isinstance(item, concurrent.futures.Future):
-                    item.cancel()
-            buffers.detach()
-            times.wall_s += time.perf_counter() - wall_started
-    return step, last
+    ``workers`` decoding threads (default: ``default_workers()``, at most GPU_REPLAY_WORKERS onto a
+    GPU) and at most ``window`` records in flight (default: 4 per worker; fewer when two or more
+    hold WINDOW_BYTES). Returns (last step, its record); adds timings to ``times``."""
+    return ReplayPipeline(chain, base_step, params, warn=warn, stop_step=stop_step, workers=workers, window=window,
+                          times=times).run(optimizer)
 
 
 def _fill(in_flight: collections.deque, tasks, pool, window: int, buffers: GradientBuffers,

@@ -134,6 +134,7 @@ def main():
     p.add_argument("--resume-step", type=int, help="resume at this step (time travel)")
     p.add_argument("--tied", action="store_true", help="a model with a tied weight (Tied)")
     p.add_argument("--shared", help="a shared tier (lowdiff.Tiers) the rank directories drain into")
+    p.add_argument("--keep-last", type=int, help="retention=lowdiff.KeepLast(this)")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
@@ -143,7 +144,8 @@ def main():
     compressor = lowdiff.Dense() if args.compressor == "dense" else \
         lowdiff.TopK(ratio=0.25, min_numel=16, error_feedback=args.compressor == "topk-ef")
     opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
-                       extra_state={"sampler": sampler}, tiers=lowdiff.Tiers(args.shared) if args.shared else None)
+                       extra_state={"sampler": sampler}, tiers=lowdiff.Tiers(args.shared) if args.shared else None,
+                       retention=lowdiff.KeepLast(args.keep_last) if args.keep_last else None)
     start = recovery.resume(args.dir, model, opt, step=args.resume_step)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))

@@ -65,6 +65,15 @@ def case_fsdp2_offload():
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 
+def case_fsdp2_default_policies():   # what the refusals' messages tell the user to write instead
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    model = mlp()
+    fully_shard(model[2], mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy())
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy())
+    return torch.optim.AdamW(model.parameters(), lr=1e-2), model
+
+
 def case_fsdp1():
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -2,7 +2,9 @@
 torch.distributed.checkpoint directory that a fresh FSDP2 model and optimizer load with
 get_state_dict / dcp.load / set_state_dict at any world size, equal byte for byte (gathered) to the
 uninterrupted run at that step; and a lowdiff run started from such a checkpoint continues from it
-exactly, through a SIGKILL and lowdiff's own resume. Before, ``export`` had no ``--format``."""
+exactly, through a SIGKILL and lowdiff's own resume. Before, ``export`` had no ``--format``. The
+export of a sharded directory is sharded: each rank's chunks at their global offsets, one file per
+rank, as the job's own DCP save writes them (it was whole tensors gathered in one process)."""
 import os
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from partition_runs import free_port  # noqa: E402
-from test_fsdp2_resume import digests, launch, ok  # noqa: E402
+from test_fsdp2_resume import copied, damage_rank_1s_newest_chunk, digests, launch, ok  # noqa: E402
 
 DCP_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_dcp_worker.py")
 STEPS, K = 10, 5
@@ -50,12 +52,32 @@ def exported(tmp_path_factory):
                              "--format", "dcp", "-o", str(out)], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert f"exported step {K}" in result.stdout
-    return digests(base / "ref-0.txt", column=-2)[1], out
+    return digests(base / "ref-0.txt", column=-2)[1], out, base / "run"
+
+
+def chunks_of(checkpoint) -> dict:
+    """{key: [(offsets, sizes), ...]} of the DCP directory's tensors, and its data files."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    return {key: [(list(c.offsets), list(c.sizes)) for c in md.chunks]
+            for key, md in metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
+
+
+def test_the_export_of_a_sharded_directory_is_sharded(exported):
+    """Each rank's chunks at their global offsets, in that rank's file; the replicated rest (AdamW's
+    step counts) once, whole. Nothing was gathered into whole tensors."""
+    _, checkpoint, _ = exported
+    assert sorted(n for n in os.listdir(checkpoint) if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    chunks = chunks_of(checkpoint)
+    assert chunks["0.weight"] == [([0, 0], [12, 8]), ([12, 0], [12, 8])]
+    assert chunks["state.3.weight.exp_avg_sq"] == [([0, 0], [3, 24]), ([3, 0], [2, 24])]   # 5 rows: 3 and 2
+    assert chunks["state.0.weight.step"] == [([], [])]
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_dcp_load_at_any_world_size_equals_the_run_at_that_step(tmp_path, exported, world):
-    reference, checkpoint = exported
+    reference, checkpoint, _ = exported
     ok(launch_dcp(checkpoint, tmp_path / "load", world, "--load-only"))
     for rank in range(world):
         (loaded,) = lines(tmp_path / f"load-{rank}.txt")
@@ -66,7 +88,7 @@ def test_a_lowdiff_run_started_from_dcp_continues_from_it_exactly(tmp_path, expo
     """The guide's recipe (load DCP before lowdiff.wrap): the run is the same as one without lowdiff
     from the same checkpoint, step by step, also after every rank is SIGKILLed after step K + 3
     and lowdiff resumes it from its own directory (which counts steps from the DCP state)."""
-    reference, checkpoint = exported
+    reference, checkpoint, _ = exported
     ok(launch_dcp(checkpoint, tmp_path / "plain", 2))
     crashed = launch_dcp(checkpoint, tmp_path / "run", 2, "--lowdiff", str(tmp_path / "ckpt"), "--crash-at",
                          str(K + 3))
@@ -83,6 +105,25 @@ def test_a_lowdiff_run_started_from_dcp_continues_from_it_exactly(tmp_path, expo
         assert resumed[0][0] == "loaded" and int(resumed[0][1]) > K   # resumed past the DCP state
         assert resumed[1:] and dict(resumed[1:]) == {s: expected[s] for s, _ in resumed[1:]}
         assert resumed[-1][0] == str(STEPS)
+
+
+def test_shares_starting_from_different_sets_export_whole_tensors(tmp_path, exported):
+    """Rank 1's chunk of the newest set (step 8) is damaged: share 1's state can only start from step
+    4's set. The export says so and writes whole tensors (every share's chunks read and checked,
+    from the set they all verify), still the run's state at the newest step."""
+    reference, _, run = exported
+    directory = copied(run, tmp_path / "run")
+    assert damage_rank_1s_newest_chunk(directory) == 8
+    out = tmp_path / "exported"
+    result = subprocess.run([sys.executable, "-m", "lowdiff", "export", str(directory), "--format", "dcp", "-o",
+                             str(out)], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "share 1 of step 10 starts from the full checkpoint of step 4, share 0 from step 8" in result.stderr
+    assert "exporting whole tensors" in result.stderr and f"exported step {STEPS}" in result.stdout
+    assert chunks_of(out)["0.weight"] == [([0, 0], [24, 8])]
+    assert sorted(n for n in os.listdir(out) if n.endswith(".distcp")) == ["__0_0.distcp"]   # no stray share file
+    ok(launch_dcp(out, tmp_path / "load", 1, "--load-only"))
+    assert lines(tmp_path / "load-0.txt") == [["loaded", str(STEPS), reference[STEPS]]]
 
 
 def test_an_unsharded_run_exports_to_dcp_in_process(tmp_path):

@@ -42,9 +42,11 @@ REFUSED = {
 
 
 def test_refused_at_wrap_with_the_culprit_named(tmp_path):
-    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", *REFUSED])
+    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", "fsdp2_default_policies", *REFUSED])
     assert reports["plain"]["error"] is None   # an unsharded model under torch.distributed still wraps
     assert reports["fsdp2"]["error"] is None   # FSDP2 on a 1-D mesh is recorded (test_fsdp2_resume.py)
+    # the policies the refusals tell the user to pass, spelled out, are accepted
+    assert reports["fsdp2_default_policies"]["error"] is None, reports["fsdp2_default_policies"]
     for case, (error, words) in REFUSED.items():
         report = reports[case]
         assert report["error"] == error, report

@@ -157,6 +157,18 @@ def test_cli_understands_partitioned_directories(tmp_path, reference, capsys):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.load_state_dict(exported["optimizer"])
     assert exported["step"] == STEPS and partition_worker.shared_digest(model, opt) == ref[0][STEPS][1]
+    # DCP from a DDP directory (no DTensor chunks): every tensor whole, the torch export's values
+    assert main(["export", str(directory), "--format", "dcp", "-o", str(tmp_path / "dcp")]) == 0
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    loaded = {key: torch.empty_like(value) for key, value in exported["model"].items()}
+    assert all(len(metadata[key].chunks) == 1 for key in loaded)
+    with warnings.catch_warnings():   # the loader's own no_dist warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(loaded[key], value) for key, value in exported["model"].items())
     copy = tmp_path / "ckpt"
     subprocess.run(["cp", "-a", str(directory), str(copy)], check=True)
     damaged = sorted((copy / "rank-00001").glob("diff-*"))[-1]

@@ -122,6 +122,62 @@ def test_ring_copies_every_byte_with_bounded_slots(eager, slots):
     assert ring.log[0] == ("mark",) and ring.log[1] == ("wait_marked",)
 
 
+class RegisteringRing(FakeRing):
+    """A ring whose host memory can be page-locked (``register``), as CUDA's can; ``grant``
+    False stands for a registration the driver refuses (a memory-lock limit)."""
+
+    def __init__(self, eager: bool, grant: bool = True):
+        super().__init__(eager)
+        self.grant = grant
+        self.registered: dict = {}
+        self.calls: list = []
+
+    def register(self, address, nbytes):
+        self.calls.append(("register", address, nbytes))
+        assert address not in self.registered, "registered twice without unregistering"
+        if self.grant:
+            self.registered[address] = nbytes
+        return self.grant
+
+    def unregister(self, address):
+        self.calls.append(("unregister", address))
+        del self.registered[address]
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_registered_staging_is_copied_into_directly_and_registered_once(eager):
+    gen = torch.Generator().manual_seed(5)
+    sources = [torch.randn(n, generator=gen) for n in (1000, 3, 0, 4096)]
+    staging = torch.zeros(sum(s.numel() for s in sources), dtype=torch.float32)
+    destinations = list(torch.split(staging, [s.numel() for s in sources]))
+    ring = RegisteringRing(eager)
+    pinned = PinnedStaging(chunk_bytes=64, slots=2, ring=ring)
+    where = (staging.data_ptr(), staging.numel() * 4)
+    for round_ in range(2):
+        sources = [s + round_ for s in sources]
+        pinned.mark(sources)
+        pinned.copy(destinations, sources, where)
+        for d, s in zip(destinations, sources):   # every copy landed before copy() returned
+            assert torch.equal(d, s)
+    assert ring.calls == [("register", *where)]   # once: the buffer is reused
+    assert ring.slots_allocated == 0 and pinned.chunks_copied == 0 and pinned.direct_copies == 2
+    pinned.forget(where[0])
+    assert ring.registered == {} and ring.calls[-1] == ("unregister", where[0])
+
+
+def test_staging_that_cannot_be_registered_goes_through_the_ring():
+    sources = [torch.arange(700, dtype=torch.float32)]
+    destinations = [torch.zeros(700)]
+    ring = RegisteringRing(eager=False, grant=False)
+    pinned = PinnedStaging(chunk_bytes=1000, slots=2, ring=ring)
+    for _ in range(2):
+        pinned.mark(sources)
+        pinned.copy(destinations, sources, (destinations[0].data_ptr(), 2800))
+        assert torch.equal(destinations[0], sources[0])
+    assert [c[0] for c in ring.calls] == ["register"]   # refused once, not asked again
+    assert pinned.direct_copies == 0 and pinned.chunks_copied == 6 and ring.slots_allocated == 2
+
+
 # --------------------------------------------------------------------------- a record's copies
 class FakeEngine(CopyEngine):
     """Copies that land only when their event is waited for (or never, if nobody waits)."""
@@ -168,8 +224,32 @@ def test_device_copy_orders_and_defers():
     assert copy.to_host([Compressed("none", 1, None)])[1] is None
 
 
+def test_unsorted_sparse_gradients_are_sorted_on_the_device_into_the_same_record_bytes():
+    from lowdiff.format.records import StepRecord, encode_record
+    gen = torch.Generator().manual_seed(3)
+    grads = []
+    for numel, dtype in [(1000, torch.float32), (64, torch.bfloat16), (5000, torch.float32), (7, torch.float32)]:
+        count = max(1, numel // 10)
+        indices = torch.randperm(numel, generator=gen)[:count]   # unsorted, as TopK hands them over
+        grads.append(Compressed("sparse", numel, torch.randn(count, generator=gen).to(dtype), indices, sorted=False))
+    grads.insert(2, Compressed("dense", 3, torch.randn(3, generator=gen)))
+    grads.insert(1, Compressed("none", 4, None))
+    out, ready = DeviceCopy(torch.device("cpu"), FakeEngine()).to_host(grads)
+    ready()
+    for before, after in zip(grads, out):
+        if before.kind != "sparse":
+            continue
+        assert after.sorted and after.indices.dtype == torch.int32
+        assert torch.equal(after.indices, before.indices.sort().values.to(torch.int32))
+        assert torch.equal(after.values, before.values[before.indices.argsort()])
+    # What reaches the disk is what the writer's own sort would have written.
+    original = encode_record(StepRecord(7, False, grads, {"lr": 0.1}))
+    on_device = encode_record(StepRecord(7, False, out, {"lr": 0.1}))
+    assert b"".join(map(bytes, original)) == b"".join(map(bytes, on_device))
+
+
 # --------------------------------------------------------------------------- end to end, real files
-def _train(directory, steps, fake, resume_at=None):
+def _train(directory, steps, fake, resume_at=None, ring=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
     opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, str(directory),
@@ -177,7 +257,7 @@ def _train(directory, steps, fake, resume_at=None):
     if fake:
         # The GPU path's orderings with fake streams: records and full checkpoints land late.
         opt._capture._device_copy = DeviceCopy(torch.device("cpu"), FakeEngine())
-        opt._fulls._pinned = PinnedStaging(chunk_bytes=999, slots=2, ring=FakeRing(eager=False))
+        opt._fulls._pinned = PinnedStaging(chunk_bytes=999, slots=2, ring=ring or FakeRing(eager=False))
         opt._fulls._snapshot.device_copy = opt._fulls._pinned
     start = recovery.resume(str(directory), model, opt) if resume_at is not None else 0
     assert start == (resume_at or 0)
@@ -191,11 +271,16 @@ def _train(directory, steps, fake, resume_at=None):
     return model, opt
 
 
-def test_run_through_fake_device_copies_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("registered", [False, True])
+def test_run_through_fake_device_copies_resumes_exactly(tmp_path, registered):
     ref_model, ref_opt = _train(tmp_path / "ref", 14, fake=False)
-    _train(tmp_path / "run", 9, fake=True)
+    ring = RegisteringRing(eager=False) if registered else None
+    _, first = _train(tmp_path / "run", 9, fake=True, ring=ring)
+    if registered:   # the staging buffer was page-locked, copied into directly, unlocked at close
+        assert first._fulls._pinned.direct_copies >= 1 and ring.registered == {}
+        assert [c[0] for c in ring.calls] == ["register", "unregister"]
     # Resume from the last full checkpoint (8) and its record (9), written through the fakes.
-    model, opt = _train(tmp_path / "run", 14, fake=True, resume_at=9)
+    model, opt = _train(tmp_path / "run", 14, fake=True, resume_at=9, ring=ring)
     for a, b in zip(ref_model.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
     for sa, sb in zip(ref_opt.state_dict()["state"].values(), opt.state_dict()["state"].values()):

@@ -16,6 +16,7 @@ import torch
 from lowdiff_helpers import FULL_EVERY, build, train_steps, wrap
 
 import fastio
+import lowdiff
 import recovery
 from lowdiff.cli.demo import forward_backward, state_digest
 from lowdiff.format.fullckpt import load_full
@@ -205,3 +206,39 @@ def test_stats_count_what_checkpointing_did(tmp_path):
     assert stats["batch_write_count"] == len(read_manifest(directory).batches) == 5  # 1-3 4-6 7-9 10-12 13
     for key in ("full_stall", "full_persist", "batch_write"):
         assert 0 <= stats[f"{key}_median_ms"] <= stats[f"{key}_max_ms"]
+    # What a full checkpoint cost the iterations: the one of step 6 is charged by the time step 12
+    # takes the next (that of step 12 only once a clean step follows it).
+    assert stats["full_iteration_cost_count"] >= 1 and stats["full_iteration_cost_median_ms"] >= 0
+
+
+def test_full_copy_in_step_copies_before_step_returns_and_resumes_exactly(tmp_path):
+    """Options(full_copy="in_step"): the state is in staging when step() returns (no background
+    copy is pending), and what it wrote resumes to the uninterrupted run's state."""
+    def run(directory, steps, full_copy):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, str(directory),
+                           compressor=lowdiff.Dense(), full_every=3, batch_steps=2,
+                           options=lowdiff.Options(full_copy=full_copy))
+        pending = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+            pending.append(opt._fulls._pending_copy is not None)
+            opt.zero_grad()
+        background = opt.stats()["background_copy"]
+        opt.close()
+        return model, pending, background
+
+    ref, pending, background = run(tmp_path / "bg", 9, "background")
+    assert background and any(pending)            # the default copies beside the next iteration
+    _, pending, background = run(tmp_path / "in", 9, "in_step")
+    assert not background and not any(pending)    # never a copy left for the next step
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    assert sorted(f.step for f in read_manifest(str(tmp_path / "in")).fulls)[-1] == 9
+    assert recovery.resume(str(tmp_path / "in"), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 9
+    for a, b in zip(ref.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="full_copy"):
+        lowdiff.Options(full_copy="later")

@@ -222,3 +222,42 @@ def test_the_replays_steps_run_with_freed_memory_kept_and_it_ends_with_the_repla
     assert seen and all(seen), seen
     assert not heapreuse.active()
     assert same(state_of(model, opt), trained)
+
+
+def test_resume_decodes_the_first_records_while_the_full_checkpoint_loads(tmp_path, monkeypatch):
+    """The replay's decoders start before the full checkpoint is read (their work overlaps the
+    load, which the optimizer's steps cannot), and the resumed state is still the trained one."""
+    import threading
+
+    from recovery import restore
+    from recovery.pipeline import replay as replay_module
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, str(tmp_path),
+                       compressor=lowdiff.TopK(ratio=0.25, min_numel=16), full_every=100, batch_steps=4)
+    for step in range(10):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(4, 8, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+
+    decoding = threading.Event()
+    real_load, real_load_full = replay_module._load, restore.load_full
+
+    def load(*args, **kwargs):
+        decoding.set()
+        return real_load(*args, **kwargs)
+
+    def load_full(*args, **kwargs):
+        # Held until a record is being decoded: without the early start this waits in vain.
+        assert decoding.wait(30), "no record was decoded while the full checkpoint loaded"
+        return real_load_full(*args, **kwargs)
+    monkeypatch.setattr(replay_module, "_load", load)
+    monkeypatch.setattr(restore, "load_full", load_full)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    resumed = recovery.resume(str(tmp_path), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    assert resumed == 10 and resumed.replayed == 10
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, trained[key])

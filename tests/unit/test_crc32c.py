@@ -143,3 +143,22 @@ def test_other_threads_run_while_it_checksums(checksum, of_zeros):
         if any(started + quarter < t < ended - quarter for t in stamps):
             return
     pytest.fail(f"no other Python thread ran during three long {checksum.__name__} calls")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=5000), st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 5000)),
+                                                      max_size=8))
+def test_crc32c_regions_is_crc32c_of_each_region(data, spans):
+    buffer = np.frombuffer(bytearray(data or b"\0"), dtype=np.uint8)
+    base = buffer.ctypes.data
+    regions = [(min(a, buffer.size), min(b, buffer.size - min(a, buffer.size))) for a, b in spans]
+    got = fastio.crc32c_regions([base + start for start, _ in regions], [size for _, size in regions])
+    assert got == [fastio.crc32c(buffer[start:start + size].tobytes()) for start, size in regions]
+
+
+def test_crc32c_regions_refuses_a_null_address_and_mismatched_lists():
+    with pytest.raises(ValueError, match="region 0 has a null address"):
+        fastio.crc32c_regions([0], [4])
+    with pytest.raises(ValueError, match="2 addresses and 1 sizes"):
+        fastio.crc32c_regions([1, 2], [0])
+    assert fastio.crc32c_regions([0], [0]) == [0]

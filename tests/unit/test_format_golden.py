@@ -206,6 +206,12 @@ def hand_bucket_manifest(full: bytes, batch: bytes) -> bytes:
     return json_file({"crc32": zlib.crc32(json_file(body)), "bucket_manifest": body})
 
 
+def chunk_entry(shape: list) -> dict:
+    """The chunk entry (docs/format.md, "Sharded state") of rank 0's half of a tensor split on 2 ranks."""
+    return {"global_shape": [2 * shape[0], *shape[1:]], "mesh_shape": [2], "mesh_dim_names": None,
+            "placements": ["S0"], "offsets": [0] * len(shape), "shape": list(shape)}
+
+
 def lowdiff_writes_every_kind(directory) -> dict:
     """Every file kind as lowdiff writes it for the example's inputs, by name: its bytes."""
     snapshot = Snapshot()
@@ -235,6 +241,12 @@ def lowdiff_writes_every_kind(directory) -> dict:
                               "TopK(ratio=0.2)")
     write_full_share(str(directory / "full-share.ldf"), w.ljust(4096, b"\0") + SHARE_OWN.ljust(4096, b"\0"),
                      objects, share_index)
+    # The same shares as a sharded (DTensor) run writes them: with the optional field `dtensors`.
+    write_full_share(str(directory / "full-share-dtensors.ldf"),
+                     w.ljust(4096, b"\0") + SHARE_OWN.ljust(4096, b"\0"), objects,
+                     lambda section: dataclasses.replace(share_index(section), dtensors={"/rng/x": chunk_entry([1])}))
+    write_diff_share(str(directory / "diff-share-dtensors.ldd"), SESSION, [(1, encode_record(record))], run=RUN,
+                     share=(0, 1), slots=[0, 1], dtensors={0: chunk_entry([2])})
 
     full, batch = (directory / FULL_NAME).read_bytes(), (directory / DIFF_NAME).read_bytes()
     write_manifest(str(directory), Manifest([FullEntry(0, FULL_NAME, len(full), SESSION)],
@@ -242,7 +254,7 @@ def lowdiff_writes_every_kind(directory) -> dict:
     write_state(str(directory), SAMPLES, SETTINGS)
     write_marker(str(directory), Tiers(str(directory / "shared")), KeepLast(3))
     names = (FULL_NAME, DIFF_NAME, "full-share.ldf", "diff-share.ldd", "MANIFEST.json", "CONTROLLER.json",
-             "TIERS.json")
+             "TIERS.json", "full-share-dtensors.ldf", "diff-share-dtensors.ldd")
     written = {name: (directory / name).read_bytes() for name in names}
     # The bucket's commit object, as lowdiff.tiers.bucket encodes it (no bucket needed for its bytes).
     written[BUCKET_MANIFEST] = BucketManifest(0, read_manifest(str(directory)), {
@@ -356,9 +368,17 @@ def test_format_md_lists_every_field_kind_and_version_lowdiff_writes(tmp_path):
              "`CONTROLLER.json`": "CONTROLLER.json", "`TIERS.json`": "TIERS.json",
              "bucket `MANIFEST-N.json`": BUCKET_MANIFEST}
     assert sorted(row[0] for row in rows) == sorted(files)
+    # A file kind with optional fields is also written as a run that writes them does.
+    with_optional = {"full-checkpoint share": "full-share-dtensors.ldf",
+                     "differential share": "diff-share-dtensors.ldd"}
     for name, kind, index_kind, version, listed in rows:
         data = written[files[name]]
-        fields = re.findall(r"`([a-z_0-9.]+)`", listed)
+        listed, _, optional_listed = listed.partition("; optional:")
+        fields, optional = (re.findall(r"`([a-z_0-9.]+)`", text) for text in (listed, optional_listed))
+        if optional or name in with_optional:
+            index = container.read_index(name, lambda offset, n, d=written[with_optional[name]]: d[offset:offset + n],
+                                         len(written[with_optional[name]]), int(kind))
+            assert sorted(fields + optional) == sorted(fields_of(index)), name
         if kind == "-":
             body = json.loads(data)
             assert sorted(fields) == sorted(fields_of(body)), name

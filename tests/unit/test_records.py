@@ -178,6 +178,18 @@ def test_indices_at_the_int32_limits_round_trip():
     assert got.indices.tolist() == idx.tolist()
 
 
+def test_a_large_structured_part_compressed_by_several_zstd_threads_round_trips(monkeypatch):
+    from lowdiff.format import records
+    monkeypatch.setattr(records, "_zstd_threads", lambda: 2)   # as on a machine with 4+ cores
+    monkeypatch.setattr(records, "_local", type(records._local)())
+    numel = 3 * records.PARALLEL_ZSTD_BYTES   # deltas of 2 bytes: past the threshold
+    idx = torch.randperm(4 * numel, generator=torch.Generator().manual_seed(0))[:numel].sort().values
+    record = StepRecord(2, False, [Compressed("sparse", 4 * numel, torch.randn(numel), idx.to(torch.int32))], {})
+    data = encoded(record)
+    assert hasattr(records._local, "zstd_parallel")   # the threaded context did the work
+    assert_same_record(decode_record(data, "mem", 0, expected_step=2), record)
+
+
 @SETTINGS
 @given(step_records(), st.data())
 def test_any_truncation_of_a_record_is_detected(record, data):
@@ -389,14 +401,15 @@ def test_public_names_are_pinned():
     assert sorted(lowdiff.__all__) == [
         "Auto", "CheckpointError", "CheckpointFileError", "CheckpointLockedError", "CorruptCheckpointError",
         "Dense", "DirectoryBusyError", "Fixed", "ForeignFileError", "IncompatibleCheckpointError", "KeepAll",
-        "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingRankDirectoryError", "NoCheckpointError",
+        "KeepEvery", "KeepLast", "LowDiffOptimizer", "MissingDeviceError", "MissingRankDirectoryError",
+        "NoCheckpointError",
         "Options", "Replica", "ResumableLoader", "Tiers", "TopK", "VersionMismatchError",
         "init_process_group", "wrap"]
     assert sorted(recovery.__all__) == ["Resumed", "VerifyReport", "export", "resume", "verify"]
     assert sorted(fastio.__all__) == [
         "ALIGN_BYTES", "AlignedBuffer", "BULK", "FastioConfig", "Reader", "URGENT", "Writer",
         "aligned_buffer", "backend", "buffer_address", "copy_regions", "crc32", "crc32_shift", "crc32c",
-        "engine", "make_engine"]
+        "crc32c_regions", "engine", "make_engine"]
     for module in (lowdiff, recovery, fastio):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name} is in __all__ but missing"
