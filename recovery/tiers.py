@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 
 import torch.distributed as dist
@@ -17,12 +18,13 @@ from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
-from lowdiff.tiers.bucket import stage
+from lowdiff.tiers.bucket import bucket_layout, stage_partitioned
 from lowdiff.tiers.marker import read_marker
 from lowdiff.tiers.objectstore import is_object_url
 from recovery.execute import Restored
 from recovery.partitioned.plan import plan_sets
 from recovery.partitioned.restore import restore_partitioned
+from recovery.pipeline.bucket import ObjectStoreError, open_bucket, unreachable, urls_named
 from recovery.plan import checkpoint_directory, warn
 from recovery.restore import restore
 
@@ -122,25 +124,104 @@ def restore_from_tiers(local: str, shared: str, *, check_full, stop_step: int | 
 
 def _restore_with_bucket(local: str, url: str, *, check_full, stop_step: int | None, object_store,
                          **run) -> tuple[Restored | None, str, bool]:
-    """``restore_from_tiers`` with the shared tier in an object store: when the bucket's newest
-    commit reaches further than the local tier (or the local one is gone), the files it lists are
-    fetched into a temporary directory, each checked against the size and CRC-32C the commit names,
-    and the two directories are restored as plain tiers. A bucket that cannot be read is skipped
-    with a warning, as a damaged shared directory is."""
+    """``restore_from_tiers`` with the shared tier in an object store. The bucket's newest commit
+    is read and ranked against the local tier by the step it reaches; when it is restored, its
+    objects are fetched as the restore needs them (the full checkpoint, then the chain's batch
+    files a few ahead of the replay, each checked against the size and CRC-32C the commit names:
+    recovery.bucket). A bucket that cannot be read is skipped with a warning, as a damaged shared
+    directory is."""
+    if _rank0_says(lambda: is_partitioned(local) or _bucket_layout(url, object_store) == "partitioned"):
+        return _restore_partitioned_bucket(local, url, check_full=check_full, stop_step=stop_step,
+                                           object_store=object_store, **run)
+    errors: dict = {}
     try:
         local_reach = directory_reach(local, stop_step)
-    except (NoCheckpointError, CorruptCheckpointError, OSError):
-        local_reach = -1
+    except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+        local_reach, errors["local"] = -1, exc
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
         try:
-            stage(url, staging, worth=lambda manifest: manifest_reach(manifest, stop_step) > local_reach,
-                  options=object_store)
+            source = open_bucket(url, staging, object_store)
+            reach = manifest_reach(source.committed.manifest, stop_step) if source.committed else -1
         except (CheckpointError, OSError) as exc:
             warn(f"lowdiff: the shared tier {url} cannot be read: {exc}")
-        restored, tier, own = restore_from_tiers(local, staging, check_full=check_full, stop_step=stop_step, **run)
+            return restore_from_tiers(local, staging, check_full=check_full, stop_step=stop_step, **run)
+        with source:
+            plan = TiersPlan((("local", local), ("shared", url)),
+                             ((("local", local_reach),) if "local" not in errors else ()) + (("shared", reach),))
+
+            def attempt(tier):
+                try:
+                    if tier == "local":
+                        return restore(local, check_full=check_full, stop_step=stop_step, **run), True
+                    return source.restore(check_full=check_full, stop_step=stop_step, **run), True
+                except ObjectStoreError as exc:
+                    if tier == "shared" and not exc.missing:
+                        raise   # the bucket chosen cannot be reached now: not a reason to resume older
+                    errors[tier] = exc
+                    warn(f"lowdiff: the {tier} tier {plan.directory(tier)} cannot be resumed: {exc}")
+                    return None, True
+                except (NoCheckpointError, CorruptCheckpointError, OSError) as exc:
+                    errors[tier] = exc
+                    warn(f"lowdiff: the {tier} tier {plan.directory(tier)} cannot be resumed: {exc}")
+                    return None, True
+            restored, tier, own = _restore_furthest(plan, attempt, errors)
+    if restored is None and errors:
+        raise NoCheckpointError("no storage tier can be resumed: " + "; ".join(
+            f"{tier} tier {plan.directory(tier)}: {exc}" for tier, exc in errors.items()))
+    return restored, tier, own
+
+
+def _bucket_layout(url: str, options) -> str | None:
+    try:
+        return bucket_layout(url, options)
+    except (CheckpointError, OSError):
+        return None   # (the single layout's path says why it cannot be read)
+
+
+def _rank0_says(decide):
+    """``decide()`` of rank 0, on every rank of the process group (all choose alike)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    said: list = [None]
+    if world == 1 or dist.get_rank() == 0:
+        said[0] = decide()
+    if world > 1:
+        dist.broadcast_object_list(said, src=0)
+    return said[0]
+
+
+def _restore_partitioned_bucket(local: str, url: str, *, check_full, stop_step: int | None, object_store,
+                                **run) -> tuple[Restored | None, str, bool]:
+    """``restore_from_tiers`` of a partitioned run whose shared tier is a bucket: every rank
+    fetches every rank prefix's newest commit (each object checked against its size and CRC-32C)
+    into a partitioned directory of its own and restores the two partitioned tiers
+    (``restore_partitioned_tiers``), at any world size. The ranks agree on whether the bucket
+    could be read: a store that cannot be reached fails the resume on every rank; a commit that
+    cannot be read leaves the bucket out, with a warning."""
+    with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging, \
+            urls_named({os.path.join(staging, "bucket"), _rank0_says(lambda: os.path.join(staging, "bucket"))}, url):
+        root = os.path.join(staging, "bucket")
+        os.makedirs(root)
+        failed = None
+        try:
+            stage_partitioned(url, root, object_store)
+        except (CheckpointError, OSError) as exc:
+            failed = (unreachable(exc), str(exc))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        failures = [failed]
+        if world > 1:
+            failures = [None] * world
+            dist.all_gather_object(failures, failed)
+        if any(f is not None and f[0] for f in failures):
+            raise CheckpointError(f"the shared tier {url} cannot be read now: " +
+                                  next(f[1] for f in failures if f is not None and f[0]))
+        if any(f is not None for f in failures):
+            warn(f"lowdiff: the shared tier {url} cannot be read: {next(f[1] for f in failures if f is not None)}")
+            shutil.rmtree(root)
+            os.makedirs(root)
+        restored, tier, own = restore_partitioned_tiers(local, root, check_full=check_full, stop_step=stop_step,
+                                                        **run)
     if restored is not None and tier == "shared":
         restored = dataclasses.replace(restored, directory=url)
-        log.info("lowdiff: (the shared tier's files came from %s)", url)
     return restored, tier, own
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -50,6 +51,47 @@ def _note_live_trainer(directory: str) -> None:
               f"this runs may differ from the listing")
 
 
+# (temporary directory, s3:// URL) of each bucket commit fetched by this command: what it prints
+# and logs names the URL (_UrlsNamed), not the directory, which is gone when the command ends.
+_FETCHED: list = []
+
+
+def _named(text: str) -> str:
+    for staging, url in _FETCHED:
+        text = text.replace(os.path.join(staging, ""), f"{url}/").replace(staging, url)
+    return text
+
+
+class _UrlsNamed(logging.Filter):
+    """While a command runs: its standard output and lowdiff's log records with the fetched
+    commits' temporary directories replaced by their s3:// URLs."""
+
+    def __init__(self):
+        super().__init__()
+        self._stdout = sys.stdout
+
+    def write(self, text: str) -> int:
+        return self._stdout.write(_named(text))
+
+    def __getattr__(self, name):
+        return getattr(self._stdout, name)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _FETCHED:
+            record.msg, record.args = _named(record.getMessage()), ()
+        return True
+
+    def __enter__(self):
+        sys.stdout = self
+        logging.getLogger("lowdiff").addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout = self._stdout
+        logging.getLogger("lowdiff").removeFilter(self)
+        return False
+
+
 @contextlib.contextmanager
 def _fetched(path: str):
     """(directory, problems): an ``s3://`` URL's newest commit fetched into a temporary directory,
@@ -58,11 +100,16 @@ def _fetched(path: str):
     if not is_object_url(path):
         yield path, []
         return
-    from lowdiff.tiers.bucket import stage
+    from lowdiff.tiers.bucket import bucket_layout, stage, stage_partitioned
 
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
-        manifest, problems = stage(path, staging)
-        if manifest is None:
+        _FETCHED.append((staging, path.rstrip("/")))
+        if bucket_layout(path) == "partitioned":   # rank-NNNNN/ prefixes: a partitioned directory
+            committed, problems = True, stage_partitioned(path, staging)
+        else:
+            manifest, problems = stage(path, staging)
+            committed = manifest is not None
+        if not committed:
             raise CheckpointError(f"{path} holds no committed lowdiff checkpoint (no MANIFEST-N.json object)")
         print(f"note: the objects the newest commit of {path} names were fetched into {staging}", file=sys.stderr)
         yield staging, problems
@@ -157,8 +204,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if report.newest_recoverable < report.newest_listed:
         print(f"NEWEST   step {report.newest_listed} is listed but only step {report.newest_recoverable} "
               f"can be recovered")
-    print(f"{len(report.ok_files)} files verify, {len(report.problems)} do not"
-          + (" (see above)" if report.problems else ""))
+    print(f"{len(report.ok_files)} files verify, {len(report.problems) + len(fetch_problems)} do not"
+          + (" (see above)" if report.problems or fetch_problems else ""))
     return 0 if report.ok and not fetch_problems else 1
 
 
@@ -298,7 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=cmd_tune)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
-    except (CheckpointError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        with _UrlsNamed():
+            return args.func(args)
+    except (CheckpointError, OSError, ValueError, ImportError) as exc:   # ImportError: an extra not installed
+        print(f"error: {_named(str(exc))}", file=sys.stderr)
         return 2
+    finally:
+        _FETCHED.clear()

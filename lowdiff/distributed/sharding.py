@@ -17,9 +17,11 @@ Refused (each check names the first offender it finds, in this order):
   summand, not a value);
 - an FSDP2 module whose ``MixedPrecisionPolicy`` or ``OffloadPolicy`` is not the default: the
   optimizer then steps a copy (offload) or a gradient cast on the way, which is not tested here;
-- DTensor parameters outside ``fully_shard`` (tensor parallelism) or on a mesh of more than one
-  dimension (HSDP, FSDP2 + tensor parallelism): not supported yet. FSDP2 on a 1-D mesh is recorded
-  (lowdiff.distributed.dtensors).
+- DTensor parameters outside ``fully_shard`` (tensor parallelism), or on a mesh of more than one
+  dimension other than HSDP's (FSDP2 + tensor parallelism; a mesh of more than two dimensions): not
+  supported yet. FSDP2 on a 1-D mesh and HSDP (``fully_shard(..., mesh=<2-D mesh>)``, placements
+  ``(Replicate(), Shard(d))``) are recorded (lowdiff.distributed.dtensors); under HSDP every rank
+  writes its chunks, so the ranks of one replicate group write the same chunk each.
 
 Also refused: replica mode (``lowdiff.Replica``) with DTensor parameters (its CPU copy is of whole
 tensors). Not refused: ``reshard_after_forward`` (it changes when parameters are gathered, not what the
@@ -29,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
-_NOT_YET = ("lowdiff records DTensor state only as FSDP2 fully_shard makes it on a 1-D mesh so far. Shard "
-            "the model with fully_shard on a 1-D mesh, or train with torch.nn.parallel.DistributedDataParallel, or "
+_NOT_YET = ("lowdiff records DTensor state only as FSDP2 fully_shard makes it on a 1-D mesh or on HSDP's 2-D "
+            "(replicate, shard) mesh so far. Shard the model with fully_shard on a 1-D or HSDP mesh, or train "
+            "with torch.nn.parallel.DistributedDataParallel, or "
             "checkpoint this model with torch.distributed.checkpoint")
 
 
@@ -57,6 +60,7 @@ def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.n
     from torch.distributed.tensor import DTensor
 
     sharded = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
+    hsdp = _hsdp_parameters(model)
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             continue
@@ -66,9 +70,36 @@ def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.n
         if replica:
             raise ValueError(f"parameter {name!r} is a DTensor: replica mode (lowdiff.Replica) does not keep "
                              f"sharded state yet; use full_every/batch_steps (differentials of the local chunks)")
-        if p.device_mesh.ndim != 1:
+        if p.device_mesh.ndim != 1 and id(p) not in hsdp:
             raise TypeError(f"parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh of shape "
-                            f"{tuple(p.device_mesh.shape)} (HSDP or FSDP2 with tensor parallelism): {_NOT_YET}")
+                            f"{tuple(p.device_mesh.shape)} (placements {tuple(p.placements)}): only HSDP's "
+                            f"(Replicate(), Shard(d)) from fully_shard(..., mesh=<2-D mesh>) is recorded on a mesh of "
+                            f"more than one dimension, not FSDP2 with tensor parallelism: {_NOT_YET}")
+
+
+def _hsdp_parameters(model: torch.nn.Module) -> set:
+    """ids of the parameters that HSDP shards: those of a module fully_shard()ed with a 2-D mesh
+    (FSDP2 then shards over the second dimension and replicates over the first: placements
+    (Replicate(), Shard(d))), each a DTensor on that very mesh. Under FSDP2 + tensor parallelism
+    fully_shard gets a 1-D mesh and the parameters' mesh is another, 2-D one: not listed."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Replicate, Shard
+
+    out: set = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+        if group is None or mesh is None or mesh.ndim != 2:
+            continue
+        for fsdp_param in group.fsdp_params:
+            p = fsdp_param.sharded_param
+            placements = tuple(p.placements)
+            if p.device_mesh == mesh and len(placements) == 2 and isinstance(placements[0], Replicate) and \
+                    type(placements[1]) is Shard:
+                out.add(id(p))
+    return out
 
 
 def _refuse_fsdp1(model: torch.nn.Module) -> None:

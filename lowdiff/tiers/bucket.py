@@ -18,14 +18,19 @@ from lowdiff import faults
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.format.container import BucketManifest
 from lowdiff.store.manifest import DIFF_RE, FULL_RE, Manifest
+from lowdiff.store.rankdirs import RANK_DIR_RE, rank_directory
 from lowdiff.store.retention import Policy, retain
-from lowdiff.tiers.objectstore import ObjectStore, S3Client, parse_s3_url
+from lowdiff.tiers.objectstore import ObjectStore, ObjectStoreError, S3Client, parse_s3_url
 from lowdiff.tiers.policy import _with
 
-__all__ = ["BucketStore", "download", "read_bucket", "stage"]
+__all__ = ["BucketStore", "bucket_layout", "check_bucket_layout", "complete_in_bucket", "download", "rank_url",
+           "read_bucket", "stage", "stage_partitioned"]
 
 log = logging.getLogger("lowdiff")
 MANIFEST_RE = re.compile(r"^MANIFEST-(\d{12})\.json$")
+
+
+_READ_ATTEMPTS = 5
 
 
 def manifest_name(seq: int) -> str:
@@ -35,18 +40,28 @@ def manifest_name(seq: int) -> str:
 def read_bucket(client: S3Client, listing: dict | None = None) -> BucketManifest | None:
     """The newest committed manifest of the bucket prefix (None: nothing committed). A newest
     manifest that does not parse is an error naming it (an older one is never used instead: the
-    objects it names may be gone)."""
-    listing = client.listing() if listing is None else listing
-    numbered = sorted(int(m.group(1)) for name in listing if (m := MANIFEST_RE.match(name)))
-    if not numbered:
-        return None
-    name = manifest_name(numbered[-1])
-    where = f"{client.url}/{name}"
-    committed = BucketManifest.from_json(client.get(name), where, Manifest)
-    assert isinstance(committed.manifest, Manifest)
-    if committed.seq != numbered[-1]:
-        raise CorruptCheckpointError(where, f"holds commit number {committed.seq}")
-    return committed
+    objects it names may be gone). A live writer deletes its older manifests after each commit:
+    one listed but gone when read is listed again."""
+    for attempt in range(_READ_ATTEMPTS):
+        listing = client.listing() if listing is None else listing
+        numbered = sorted(int(m.group(1)) for name in listing if (m := MANIFEST_RE.match(name)))
+        if not numbered:
+            return None
+        name = manifest_name(numbered[-1])
+        where = f"{client.url}/{name}"
+        try:
+            data = client.get(name)
+        except ObjectStoreError as exc:
+            if not exc.missing or attempt == _READ_ATTEMPTS - 1:
+                raise
+            listing = None
+            continue
+        committed = BucketManifest.from_json(data, where, Manifest)
+        assert isinstance(committed.manifest, Manifest)
+        if committed.seq != numbered[-1]:
+            raise CorruptCheckpointError(where, f"holds commit number {committed.seq}")
+        return committed
+    raise AssertionError("unreachable")
 
 
 def download(client: S3Client, committed: BucketManifest, name: str, path: str) -> None:
@@ -102,8 +117,12 @@ class BucketStore:
 
     clean_point = "clean"
 
-    def __init__(self, url: str, policy: Policy, options: ObjectStore | None = None, *, verify: bool = True):
+    def __init__(self, url: str, policy: Policy, options: ObjectStore | None = None, *, verify: bool = True,
+                 complete=None):
+        """``complete``: a rank's prefix of a partitioned layout (``complete_in_bucket``): the policy
+        counts complete sets only (lowdiff.store.retention.retain)."""
         self.directory = url                 # what messages name (it is no directory)
+        self._complete = complete
         self.url = parse_s3_url(url)
         self.policy = policy
         self.options = options or ObjectStore()
@@ -155,7 +174,7 @@ class BucketStore:
 
     def would_keep(self, entry) -> bool:
         with self._mutex:
-            return entry.file in retain(self.policy, _with(self.manifest, entry), frozenset()).files()
+            return entry.file in retain(self.policy, _with(self.manifest, entry), frozenset(), self._complete).files()
 
     def clean(self) -> None:
         """Nothing pins objects in the bucket: retention runs at each commit."""
@@ -188,7 +207,7 @@ class BucketStore:
         created only if its number is free; then delete what it no longer names."""
         client = self._require()
         with self._mutex:
-            manifest = retain(self.policy, _with(self.manifest, entry), frozenset())
+            manifest = retain(self.policy, _with(self.manifest, entry), frozenset(), self._complete)
             known = {**self._objects, **self._uploaded}
             objects = {name: known[name] for name in manifest.files()}
             seq = self._seq + 1
@@ -218,6 +237,68 @@ class BucketStore:
         if self._client is None:
             raise CheckpointError(f"{self.url} is not open")
         return self._client
+
+
+# ---------------------------------------------------------------------- partitioned layout
+def rank_url(url: str, rank: int) -> str:
+    """Where rank ``rank`` of a partitioned run keeps its shares: ``url/rank-NNNNN`` (a rank
+    directory's name, docs/format.md)."""
+    return f"{url.rstrip('/')}/{os.path.basename(rank_directory('', rank))}"
+
+
+def bucket_layout(url: str, options: ObjectStore | None = None) -> str | None:
+    """"single": commits directly under ``url``; "partitioned": ``rank-NNNNN`` prefixes under it;
+    None: neither."""
+    client = S3Client(parse_s3_url(url), options or ObjectStore())
+    if any(MANIFEST_RE.match(name) for name in client.listing()):
+        return "single"
+    return "partitioned" if any(RANK_DIR_RE.match(name) for name in client.children("rank-")) else None
+
+
+def check_bucket_layout(url: str, partitioned: bool, options: ObjectStore | None) -> None:
+    """One prefix never mixes the single-process and the partitioned layout (as a directory)."""
+    found = bucket_layout(url, options)
+    if partitioned and found == "single":
+        raise CheckpointError(f"{url} holds single-process checkpoints: a partitioned run (torch.distributed) "
+                              f"cannot drain into it; name another shared tier")
+    if not partitioned and found == "partitioned":
+        raise CheckpointError(f"{url} is partitioned (written under torch.distributed): a single-process run "
+                              f"cannot drain into it; name another shared tier")
+
+
+def complete_in_bucket(partition, url: str, options: ObjectStore | None):
+    """``complete(fulls)`` of this rank's prefix: the (step, session) of ``fulls`` whose set every
+    other rank's newest commit lists (read at each call). Only sets of this session (``world``
+    shares) are counted; an earlier session's share count is in its files and is not read, so its
+    sets count as incomplete: retention keeps them while no newer set is complete (storage, never
+    data)."""
+    clients: dict = {}
+
+    def complete(fulls) -> set:
+        mine = {(f.step, f.session) for f in fulls if f.session == partition.session}
+        for rank in range(partition.world):
+            if not mine:
+                break
+            if rank != partition.rank:
+                if rank not in clients:
+                    clients[rank] = S3Client(parse_s3_url(rank_url(url, rank)), options or ObjectStore())
+                committed = read_bucket(clients[rank])
+                mine &= {(f.step, f.session) for f in committed.manifest.fulls} if committed else set()
+        return mine
+    return complete
+
+
+def stage_partitioned(url: str, directory: str, options: ObjectStore | None = None) -> list:
+    """``stage`` of every rank prefix of ``url`` into ``directory/rank-NNNNN`` (a partitioned
+    directory). Returns [(object URL, why)] of the objects left out."""
+    client = S3Client(parse_s3_url(url), options or ObjectStore())
+    problems: list = []
+    for name in sorted(n for n in client.children("rank-") if RANK_DIR_RE.match(n)):
+        target = os.path.join(directory, name)
+        os.makedirs(target)
+        problems += [(f"{url}/{name}/{file}", why) for file, why in
+                     stage(f"{url.rstrip('/')}/{name}", target, options=options)[1]]
+    return problems
 
 
 def _ours(name: str) -> bool:

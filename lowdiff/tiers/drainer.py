@@ -26,7 +26,7 @@ from lowdiff.distributed.partition import Partition, rank_directory
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.store.manifest import FullEntry, Manifest, entry_path
 from lowdiff.store.retention import Policy
-from lowdiff.tiers.bucket import BucketStore
+from lowdiff.tiers.bucket import BucketStore, check_bucket_layout, complete_in_bucket, rank_url
 from lowdiff.tiers.marker import check_layouts, complete_in, join_runs, refuse_runs, write_marker
 from lowdiff.tiers.objectstore import is_object_url
 from lowdiff.tiers.policy import PolicyStore, Tiers
@@ -364,25 +364,50 @@ def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
                  partition: Partition | None) -> tuple[PolicyStore, Drainer]:
     """``open_tiers`` for an object-store shared tier. A bucket that cannot be opened (missing,
     denied, unreachable) does not stop ``wrap``: the drainer starts failed, and its error is raised
-    at the next step()/flush()/close(), like a copy error; the local tier keeps its checkpoints."""
-    if partition is not None:
-        raise CheckpointError(f"shared_dir={tiers.shared_dir!r}: a partitioned run (torch.distributed) cannot "
-                              f"drain into an object store yet; name a shared directory")
-    local = PolicyStore(directory, tiers.local_policy(retention))
+    at the next step()/flush()/close(), like a copy error; the local tier keeps its checkpoints.
+    With ``partition``, ``directory/rank-N`` drains into ``shared_dir/rank-N``; each rank's
+    retention in the bucket counts the sets every rank's newest commit lists."""
+    url = tiers.shared_dir
+    in_shared = None if partition is None else complete_in_bucket(partition, url, tiers.object_store)
+    in_local = None if partition is None or in_shared is None else \
+        (lambda fulls: partition.complete(fulls) | _or_none(in_shared, fulls))
+    local = PolicyStore(directory if partition is None else partition.directory, tiers.local_policy(retention),
+                        complete=in_local)
     try:
         refuse_striped(local)
-        shared = BucketStore(tiers.shared_dir, tiers.shared, tiers.object_store, verify=tiers.verify_copies)
+        shared = BucketStore(url if partition is None else rank_url(url, partition.rank), tiers.shared,
+                             tiers.object_store, verify=tiers.verify_copies, complete=in_shared)
         failed = None
         try:
+            # (a prefix of the other layout fails wrap: every rank finds the same)
+            check_bucket_layout(url, partition is not None, tiers.object_store)
             shared.open()
-        except OSError as exc:
-            exc.add_note(f"lowdiff: the shared tier {tiers.shared_dir} cannot be opened; the local tier "
+        except (OSError, CorruptCheckpointError) as exc:
+            # A bucket that cannot be used now, or whose newest commit is damaged, fails the drain
+            # (on this rank: the others still reach the collective below), not wrap.
+            exc.add_note(f"lowdiff: the shared tier {url} cannot be opened; the local tier "
                          f"{local.directory} keeps its checkpoints")
             failed = exc
         if failed is None:
             join_runs(local, shared)    # type: ignore[arg-type]  # (a BucketStore has the run and manifest)
+        if partition is not None:
+            # As open_tiers does: every rank takes rank 0's session and run (a collective: every
+            # rank comes here, its bucket opened or not).
+            partition.join(local, anchored=bool(local.manifest.files() or shared.manifest.files()))
+            if failed is None and shared.manifest.files() and shared.run != local.run:
+                refuse_runs(local, shared)  # type: ignore[arg-type]
+            shared.run = local.run
         write_marker(directory, tiers, local.policy)
         return local, Drainer(local, shared, tiers.max_lag_steps, engine, tiers.verify_copies, failed=failed)
     except BaseException:
         local.close()
         raise
+
+
+def _or_none(complete, fulls) -> set:
+    """``complete(fulls)``, or nothing when the bucket cannot be read now: the local tier keeps
+    what it cannot prove complete (storage, never data), and its commits go on."""
+    try:
+        return complete(fulls)
+    except (CheckpointError, OSError):
+        return set()

@@ -28,7 +28,16 @@ _RETRY_CODES = {"connection", "SlowDown", "InternalError", "ServiceUnavailable",
 
 
 class ObjectStoreError(OSError):
-    """An object-store request failed for good (after retries); names the URL and the operation."""
+    """An object-store request failed for good (after retries); names the URL and the operation.
+    ``code``: the store's error code ("NoSuchKey", "AccessDenied", ...; "connection" for the
+    network)."""
+
+    code: str | None = None
+
+    @property
+    def missing(self) -> bool:
+        """Whether the object (not the store) is the problem: it does not exist."""
+        return self.code in ("NoSuchKey", "404")
 
 
 def is_object_url(target) -> bool:
@@ -191,7 +200,9 @@ class S3Client:
             why = f"cannot reach the endpoint {self.endpoint} ({type(exc).__name__})"
         else:
             why = f"{code}: {exc}"
-        return ObjectStoreError(f"{what} {self.url} failed: {why}")
+        error = ObjectStoreError(f"{what} {self.url} failed: {why}")
+        error.code = code
+        return error
 
     # ------------------------------------------------------------ objects
     def put(self, name: str, body: bytes, *, if_none_match: bool = False) -> None:
@@ -215,6 +226,21 @@ class S3Client:
                     found[name] = item["Size"]
             if not page.get("IsTruncated"):
                 return found
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def children(self, start: str = "") -> list:
+        """The names beginning with ``start`` of the "folders" directly under the prefix (keys
+        holding a further "/"), found by listing the keys under ``prefix/start`` (no delimiter:
+        some S3-compatible servers mis-sign a query holding "/")."""
+        head = self.url.key("")
+        found: set = set()
+        kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Prefix": head + start}
+        while True:
+            page = self.call("listing", "list_objects_v2", **kwargs)
+            found |= {rest.split("/", 1)[0] for item in page.get("Contents", [])
+                      if "/" in (rest := item["Key"][len(head):])}
+            if not page.get("IsTruncated"):
+                return sorted(found)
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def delete(self, names) -> None:

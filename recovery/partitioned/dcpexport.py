@@ -12,9 +12,11 @@ Sharded: one process rebuilds the state of share 0, 1, ... in turn, each as the 
 gradient chunks its optimizer consumed), and hands each share's chunks to DCP's own storage writer as
 that rank would have written them (``__<rank>_0.distcp``), each chunk a SHARD at its global offsets;
 the replicated rest (AdamW's step counts, buffers, the groups, "lowdiff.step") goes with share 0, as
-DCP's planner dedups it. The metadata, built from every share's plan, is committed last. Memory holds
-one share's state at a time; ``dcp.load`` reads each new rank's chunk from the pieces that overlap it,
-at any world size, as after a DCP save by the job itself.
+DCP's planner dedups it; a chunk that an earlier share holds at the same offsets (HSDP: the ranks
+of a replicate group hold the same chunks) is written once, by the first. The metadata, built from
+every share's plan, is committed last. Memory holds one share's state at a time; ``dcp.load`` reads
+each new rank's chunk from the pieces that overlap it, at any world size, as after a DCP save by the
+job itself.
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ class ShardedWriter:
         self._plans: list = []
         self._results: list = []
         self._mappings: dict = {}
+        self._written: set = set()   # (key, offsets) of the chunks written so far
 
     def add(self, rank: int, state: dict, keys: dict, chunks: dict) -> None:
         """Write share ``rank``'s part: the tensors of ``state`` whose lowdiff key (``keys``) is a
@@ -128,6 +131,11 @@ class ShardedWriter:
             if value.numel() == 0:
                 continue   # an empty chunk (more ranks than rows): nothing of the tensor to write
             offsets = torch.Size(entry["offsets"])
+            if (key, offsets) in self._written:
+                # HSDP: the ranks of a replicate group hold the same chunk (the same bytes, by the
+                # same all-reduced gradients); written once, by the first, as DCP's save dedups it.
+                continue
+            self._written.add((key, offsets))
             items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
                                    tensor_data=TensorWriteData(
                                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=value.shape),
@@ -156,7 +164,7 @@ class ShardedWriter:
             for name in os.listdir(self._output):
                 if name.startswith(f"__{rank}_") and name.endswith(".distcp"):
                     os.unlink(os.path.join(self._output, name))
-        self._plans, self._results = [], []
+        self._plans, self._results, self._written = [], [], set()
 
     def commit(self) -> None:
         """Write the metadata of every share's chunks (DCP's global plan), last."""

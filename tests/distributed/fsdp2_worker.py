@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lowdiff
@@ -98,6 +99,9 @@ class Tied(torch.nn.Module):
 
 def build(args):
     torch.manual_seed(0)   # the same initial weights on every rank (fully_shard keeps each its chunk)
+    # HSDP: a (replicate, shard) mesh of 2 rows; fully_shard shards over a row and replicates across rows.
+    mesh = {"mesh": init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("replicate", "shard"))} \
+        if args.hsdp else {}
     if args.tied:
         model = Tied()
         fully_shard(model.body)
@@ -105,8 +109,8 @@ def build(args):
         model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                     torch.nn.Linear(24, 5))   # 5 rows: uneven chunks on 2 and 4 ranks
         for layer in (model[0], model[3]):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, **mesh)
+    fully_shard(model, **mesh)
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     elif args.optimizer == "sgd":
@@ -133,6 +137,7 @@ def main():
     p.add_argument("--resume-only", action="store_true", help="resume, write the 'resumed' line, stop")
     p.add_argument("--resume-step", type=int, help="resume at this step (time travel)")
     p.add_argument("--tied", action="store_true", help="a model with a tied weight (Tied)")
+    p.add_argument("--hsdp", action="store_true", help="HSDP: fully_shard on a (2, world / 2) mesh")
     p.add_argument("--shared", help="a shared tier (lowdiff.Tiers) the rank directories drain into")
     p.add_argument("--keep-last", type=int, help="retention=lowdiff.KeepLast(this)")
     args = p.parse_args()

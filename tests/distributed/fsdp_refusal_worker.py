@@ -1,5 +1,6 @@
 """One rank that tries lowdiff.wrap on sharded training lowdiff cannot record (FSDP1, ZeRO, FSDP2
-settings, tensor parallelism, a 2-D mesh) and on what it can (FSDP2 on a 1-D mesh), and reports what
+settings, tensor parallelism, FSDP2 + tensor parallelism on a 2-D mesh) and on what it can (FSDP2 on
+a 1-D mesh, HSDP), and reports what
 wrap() did: one JSON line per case on stdout, {"case", "error" (exception type or null), "message",
 "files" (what the directory holds after)}. Used by test_fsdp2_refusals.py."""
 import argparse
@@ -38,13 +39,25 @@ def case_fsdp2_replica():   # case_fsdp2 wrapped in replica mode
     return case_fsdp2()
 
 
-def case_hsdp():   # a 2-D mesh (replicate, shard): HSDP
+def case_hsdp():   # a 2-D mesh (replicate, shard): HSDP, recorded
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
 
     model = mlp()
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
     fully_shard(model, mesh=mesh)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2), model
+
+
+def case_fsdp2_tp():   # FSDP2 + tensor parallelism on a 2-D (dp, tp) mesh: refused
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = mlp()
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 

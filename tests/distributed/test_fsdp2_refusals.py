@@ -31,7 +31,8 @@ def run(tmp_path, world, cases):
 REFUSED = {
     "tensor_parallel": ("TypeError", ["'0.weight'", "DTensor", "outside any fully_shard()ed module"]),
     "fsdp2_replica": ("ValueError", ["'0.weight'", "replica mode", "full_every/batch_steps"]),
-    "hsdp": ("TypeError", ["'0.weight'", "2-D mesh of shape (1, 1)", "HSDP", "1-D mesh"]),
+    "fsdp2_tp": ("TypeError", ["'0.weight'", "2-D mesh of shape (1, 1)", "Shard(dim=0)", "tensor parallelism",
+                               "HSDP", "1-D mesh"]),
     "fsdp2_mixed": ("ValueError", ["module '2'", "MixedPrecisionPolicy(param_dtype=torch.bfloat16",
                                    "mp_policy=MixedPrecisionPolicy()"]),
     "fsdp2_offload": ("ValueError", ["the model", "CPUOffloadPolicy", "OffloadPolicy()"]),
@@ -42,9 +43,10 @@ REFUSED = {
 
 
 def test_refused_at_wrap_with_the_culprit_named(tmp_path):
-    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", "fsdp2_default_policies", *REFUSED])
+    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", "hsdp", "fsdp2_default_policies", *REFUSED])
     assert reports["plain"]["error"] is None   # an unsharded model under torch.distributed still wraps
     assert reports["fsdp2"]["error"] is None   # FSDP2 on a 1-D mesh is recorded (test_fsdp2_resume.py)
+    assert reports["hsdp"]["error"] is None    # HSDP on a 2-D mesh too (test_fsdp2_hsdp.py)
     # the policies the refusals tell the user to pass, spelled out, are accepted
     assert reports["fsdp2_default_policies"]["error"] is None, reports["fsdp2_default_policies"]
     for case, (error, words) in REFUSED.items():

@@ -26,10 +26,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_server():
-    """The URL of a fresh moto server (small multipart parts allowed, so tests stay small)."""
+def moto_server(**settings: str):
+    """The URL of a fresh moto server (small multipart parts allowed, so tests stay small);
+    ``settings``: more of moto's environment (``INITIAL_NO_AUTH_ACTION_COUNT``: requests served
+    before IAM policies are enforced)."""
     port = free_port()
-    env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": "1"}
+    env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": "1", **settings}
     process = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -74,6 +76,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 response = _read_request(upstream.makefile("rb"), head.startswith(b"HEAD "))
             if response is None or action == "lose":   # "lose": done upstream, the answer never comes
                 return
+            proxy.throttle_download(len(response[1]))
             self.request.sendall(response[0] + response[1])
 
 
@@ -115,13 +118,17 @@ class FaultProxy:
     """A proxy to ``upstream`` on 127.0.0.1 at a free port (``url``). ``fail(action, count, match)``:
     the next ``count`` requests whose first line contains ``match`` get ``action`` ("drop": the
     connection closed unanswered, "lose": forwarded but the answer dropped, "stall", "500", "503");
-    ``bytes_per_s``: request bodies forwarded at that rate (None: as fast as possible)."""
+    ``bytes_per_s``: request bodies forwarded at that rate (None: as fast as possible), each
+    connection on its own; ``download_bytes_per_s``: response bodies at that rate, all connections
+    sharing it (one link), for the experiments."""
 
     def __init__(self, upstream_url: str, stall_s: float = 2.0):
         host, port = upstream_url.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.stall_s = stall_s
         self.bytes_per_s: float | None = None
+        self.download_bytes_per_s: float | None = None
+        self._link = threading.Lock()
         self.rules: list = []
         self.seen: list = []
         self._lock = threading.Lock()
@@ -149,6 +156,11 @@ class FaultProxy:
     def throttle(self, nbytes: int) -> None:
         if self.bytes_per_s:
             time.sleep(nbytes / self.bytes_per_s)
+
+    def throttle_download(self, nbytes: int) -> None:
+        if self.download_bytes_per_s:
+            with self._link:   # one response at a time: the connections share the link's rate
+                time.sleep(nbytes / self.download_bytes_per_s)
 
     def close(self) -> None:
         self._server.shutdown()

@@ -235,3 +235,182 @@ def test_the_buckets_durable_step_is_what_a_resume_from_it_reaches(s3, tmp_path)
     shutil.rmtree(tmp_path / "local")
     model, plain = model_and_optimizer()
     assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url) == 10
+
+
+def test_resume_replays_while_the_chain_is_still_being_fetched(s3, tmp_path):
+    """Resume from the bucket alone starts replaying before the chain's last batch object is
+    fetched (issue #26: no download of everything first), and reaches the last step exactly. The
+    proxy's request log is read at the replay's first optimizer step: no timing."""
+    import torch
+
+    import recovery
+
+    seen_at_first_step: list = []
+    watching: list = []
+
+    class Watched(torch.optim.SGD):
+        def step(self, closure=None):
+            if watching and not seen_at_first_step:
+                seen_at_first_step.append(list(s3.proxy.seen))
+            return super().step(closure)
+
+    def model_and(optimizer_class):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        return model, optimizer_class(model.parameters(), lr=0.05, momentum=0.9)
+
+    url = f"s3://{s3.bucket}/stream"
+    model, opt = model_and(Watched)
+    opt = lowdiff.wrap(opt, model, tmp_path / "local", full_every=100, batch_steps=2, tiers=lowdiff.Tiers(url))
+    torch.manual_seed(1)
+    for _ in range(16):
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    shutil.rmtree(tmp_path / "local")
+
+    body = committed(s3, "stream/")
+    batches = sorted(body["manifest"]["manifest"]["batches"], key=lambda e: e["first"])
+    assert len(batches) == 8 and len(body["manifest"]["manifest"]["fulls"]) == 1
+    last = batches[-1]["file"]
+    model, plain = model_and(Watched)
+    s3.proxy.seen.clear()
+    watching.append(True)
+    assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, workers=1) == 16
+    gets = [line for line in seen_at_first_step[0] if line.startswith("GET") and "/stream/" in line]
+    assert any(batches[0]["file"] in line for line in gets)
+    assert not any(last in line for line in gets), gets          # replay began before the last fetch
+    assert any(last in line and line.startswith("GET") for line in s3.proxy.seen)   # and it came later
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(plain.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), moments))
+
+
+def test_what_resume_says_of_damaged_bucket_objects_names_their_s3_urls(s3, tmp_path, reference, caplog):
+    """The newest full checkpoint and the batch after it are damaged in the bucket: resume falls
+    back to the older full checkpoint and its chain ends before the damaged batch; every warning
+    names the object's s3:// URL, none the temporary directory it was fetched into."""
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    shutil.rmtree(tmp_path / "node1")
+    manifest = committed(s3, "run/")["manifest"]["manifest"]
+    newest = max(manifest["fulls"], key=lambda e: e["step"])
+    after = next(e for e in manifest["batches"] if e["first"] == newest["step"] + 1)
+    for name in (newest["file"], after["file"]):
+        data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"run/{name}")["Body"].read())
+        data[len(data) // 2] ^= 0xFF
+        s3.client.put_object(Bucket=s3.bucket, Key=f"run/{name}", Body=bytes(data))
+    caplog.set_level("INFO", logger="lowdiff")
+    out = train(str(tmp_path / "node2"), newest["step"], full_every=5, batch_steps=2, tiers=tiers,
+                log=lambda m: None)
+    assert out["start"] == newest["step"] and out["start"].full_step < newest["step"]
+    assert out["digests"] == {newest["step"]: reference[newest["step"]]}
+    said = [r.getMessage() for r in caplog.records if r.name == "lowdiff"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "lowdiff" and r.levelname == "WARNING"]
+    assert any(f"{url}/{newest['file']}" in m and "does not verify" in m for m in warned), warned
+    assert any(f"{url}/{after['file']}" in m and f"ends at step {newest['step']}" in m for m in warned), warned
+    assert not any("lowdiff-s3-" in m for m in said), said
+
+
+def test_a_step_the_buckets_files_cannot_reach_is_refused_before_the_model_changes(s3, tmp_path):
+    """resume(step=K) from the bucket alone fetches and checks the chain up to K before loading:
+    with the batch holding step K damaged it is refused and the live objects are untouched; an
+    earlier K the files reach is resumed."""
+    import torch
+
+    import recovery
+    from lowdiff.errors import NoCheckpointError
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    url = f"s3://{s3.bucket}/steps"
+    model, opt = model_and_optimizer()
+    opt = lowdiff.wrap(opt, model, tmp_path / "local", full_every=4, batch_steps=2,
+                       tiers=lowdiff.Tiers(url, shared=KeepLast(2)))
+    for _ in range(10):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    shutil.rmtree(tmp_path / "local")
+    manifest = committed(s3, "steps/")["manifest"]["manifest"]
+    damaged = next(e for e in manifest["batches"] if e["first"] <= 10 <= e["last"])["file"]
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"steps/{damaged}")["Body"].read())
+    data[-100] ^= 0xFF
+    s3.client.put_object(Bucket=s3.bucket, Key=f"steps/{damaged}", Body=bytes(data))
+    model, plain = model_and_optimizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NoCheckpointError, match=re.escape(f"{url}/")):
+        recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, step=10)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not plain.state
+    assert recovery.resume(str(tmp_path / "local"), model, plain, shared_dir=url, step=8) == 8
+
+
+def test_a_bucket_that_stops_answering_during_resume_fails_it_and_keeps_its_commits(s3, tmp_path):
+    """A batch object that cannot be fetched because the store stops answering (connections
+    dropped past the deadline) is not passed over like a damaged one: resume raises, naming it,
+    and the bucket keeps every object of its commit (an older state resumed on would have made the
+    next commits drop them)."""
+    from lowdiff.tiers.objectstore import ObjectStoreError
+
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2), object_store=ObjectStore(deadline_s=1))
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    shutil.rmtree(tmp_path / "node1")
+    before = listing(s3.client, s3.bucket, "run/")
+    manifest = committed(s3, "run/")["manifest"]["manifest"]
+    newest = max(manifest["fulls"], key=lambda e: e["step"])
+    after = next(e for e in manifest["batches"] if e["first"] == newest["step"] + 1)["file"]
+    s3.proxy.fail("drop", 10_000, f"/run/{after}")
+    with pytest.raises(ObjectStoreError, match=re.escape(f"reading {after} from {url} failed: cannot reach")):
+        train(str(tmp_path / "node2"), 14, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    assert listing(s3.client, s3.bucket, "run/") == before
+
+
+def test_the_cli_names_bucket_objects_by_url_not_by_the_directory_they_were_fetched_into(s3, tmp_path, capsys):
+    import sys
+
+    from lowdiff.cli.main import main
+
+    url = f"s3://{s3.bucket}/run"
+    train(str(tmp_path / "node1"), 12, full_every=5, batch_steps=2, tiers=lowdiff.Tiers(url, shared=KeepLast(2)),
+          log=lambda m: None)
+    manifest = committed(s3, "run/")["manifest"]["manifest"]
+    damaged = next(e for e in manifest["batches"] if e["last"] == 12)["file"]
+    data = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=f"run/{damaged}")["Body"].read())
+    data[100] ^= 0xFF
+    s3.client.put_object(Bucket=s3.bucket, Key=f"run/{damaged}", Body=bytes(data))
+    stdout = sys.stdout
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert f"directory      {url}\n" in out and "lowdiff-s3-" not in out
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"corrupt  {damaged}: {url}/{damaged}: is " in out and "1 do not" in out and "lowdiff-s3-" not in out
+    assert main(["export", url, "--step", "12", "-o", str(tmp_path / "s12.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {url}: step 12 is not retained" in err, err
+    assert sys.stdout is stdout
+
+
+def test_a_damaged_bucket_commit_fails_the_drain_not_wrap(s3, tmp_path):
+    """The bucket's newest manifest object damaged: wrap and resume (from the local tier) go
+    through, and the error, naming the manifest's URL, comes at the first step, as a write error
+    does (under torch.distributed every rank then still reaches wrap's collective)."""
+    from lowdiff.errors import CorruptCheckpointError
+
+    url = f"s3://{s3.bucket}/run"
+    tiers = lowdiff.Tiers(url, shared=KeepLast(2))
+    train(str(tmp_path / "node1"), 6, full_every=5, batch_steps=2, tiers=tiers, log=lambda m: None)
+    key = next(k for k in listing(s3.client, s3.bucket, "run/") if MANIFEST_RE.search(k))
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"{not json")
+    said: list = []
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"s3://{s3.bucket}/{key}")) as raised:
+        train(str(tmp_path / "node1"), 8, full_every=5, batch_steps=2, tiers=tiers, log=said.append)
+    assert said[0] == "tier local" and "keeps its checkpoints" in " ".join(raised.value.__notes__)

@@ -19,6 +19,7 @@ import recovery
 from lowdiff.control.controlstate import read_state, write_state
 from lowdiff.format import container
 from lowdiff.format.batchfile import write_batch
+from lowdiff.format.container import BucketManifest
 from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import StepRecord, encode_record
 from lowdiff.format.schema import FORMAT_VERSION, Section, TensorEntry, TrainedWith
@@ -31,7 +32,7 @@ from lowdiff.format.sharefile import (
     write_full_share,
 )
 from lowdiff.step.compress import Compressed
-from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, write_manifest
+from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, read_manifest, write_manifest
 from lowdiff.store.retention import KeepLast
 from lowdiff.tiers.marker import read_marker, read_tiers, write_marker
 from lowdiff.tiers.policy import Tiers
@@ -193,6 +194,18 @@ def hand_tiers(shared_dir: str) -> bytes:
                       "shared_policy": "keep-last 2", "max_lag_steps": 500})
 
 
+BUCKET_MANIFEST = "MANIFEST-000000000000.json"
+
+
+def hand_bucket_manifest(full: bytes, batch: bytes) -> bytes:
+    """Commit 0 of an object-store tier holding the example's two files (format.md, "Shared tier in
+    an object store"): MANIFEST.json's content and each file's size and CRC-32C."""
+    body = {"version": 1, "seq": 0, "manifest": json.loads(hand_manifest(full, batch)),
+            "objects": {DIFF_NAME: {"nbytes": len(batch), "crc32c": crc32c(batch)},
+                        FULL_NAME: {"nbytes": len(full), "crc32c": crc32c(full)}}}
+    return json_file({"crc32": zlib.crc32(json_file(body)), "bucket_manifest": body})
+
+
 def chunk_entry(shape: list) -> dict:
     """The chunk entry (docs/format.md, "Sharded state") of rank 0's half of a tensor split on 2 ranks."""
     return {"global_shape": [2 * shape[0], *shape[1:]], "mesh_shape": [2], "mesh_dim_names": None,
@@ -242,7 +255,11 @@ def lowdiff_writes_every_kind(directory) -> dict:
     write_marker(str(directory), Tiers(str(directory / "shared")), KeepLast(3))
     names = (FULL_NAME, DIFF_NAME, "full-share.ldf", "diff-share.ldd", "MANIFEST.json", "CONTROLLER.json",
              "TIERS.json", "full-share-dtensors.ldf", "diff-share-dtensors.ldd")
-    return {name: (directory / name).read_bytes() for name in names}
+    written = {name: (directory / name).read_bytes() for name in names}
+    # The bucket's commit object, as lowdiff.tiers.bucket encodes it (no bucket needed for its bytes).
+    written[BUCKET_MANIFEST] = BucketManifest(0, read_manifest(str(directory)), {
+        name: (len(written[name]), fastio.crc32c(written[name])) for name in (FULL_NAME, DIFF_NAME)}).to_json()
+    return written
 
 
 # ------------------------------------------------------------------ the tests
@@ -272,6 +289,7 @@ def test_lowdiff_writes_the_bytes_the_spec_describes(tmp_path):
     assert written["MANIFEST.json"] == hand_manifest(full, batch)
     assert written["CONTROLLER.json"] == hand_controller()
     assert written["TIERS.json"] == hand_tiers(str(tmp_path / "shared"))
+    assert written[BUCKET_MANIFEST] == hand_bucket_manifest(full, batch)
 
 
 def test_the_hand_built_shares_and_sidecars_are_read_by_lowdiff(tmp_path):
@@ -290,6 +308,11 @@ def test_the_hand_built_shares_and_sidecars_are_read_by_lowdiff(tmp_path):
     assert marker is not None and (marker.shared_dir, marker.local_policy, marker.max_lag_steps) == \
         ("/shared/tier", "keep-last 3", 500)
     assert read_marker(str(tmp_path)) == json.loads(hand_tiers("/shared/tier"))
+    full, batch = hand_full(), hand_batch()
+    commit = BucketManifest.from_json(hand_bucket_manifest(full, batch), BUCKET_MANIFEST, Manifest)
+    assert commit.seq == 0 and commit.objects == {FULL_NAME: (len(full), crc32c(full)),
+                                                  DIFF_NAME: (len(batch), crc32c(batch))}
+    assert commit.manifest.files() == {FULL_NAME, DIFF_NAME}
 
 
 def doc_text() -> str:
@@ -325,7 +348,7 @@ def test_the_worked_example_in_format_md_matches(tmp_path):
     assert unpacked[-4:] == hex_of(quoted["indices 3 and 7:"])
 
 
-NESTED = ("share", "manifest", "settings")   # objects whose fields the table lists as `a.b`
+NESTED = ("share", "manifest", "settings", "bucket_manifest")   # objects whose fields the table lists as `a.b`
 
 
 def fields_of(body: dict) -> list:
@@ -342,7 +365,8 @@ def test_format_md_lists_every_field_kind_and_version_lowdiff_writes(tmp_path):
     written = lowdiff_writes_every_kind(tmp_path)
     files = {"full checkpoint": FULL_NAME, "differential batch": DIFF_NAME, "full-checkpoint share": "full-share.ldf",
              "differential share": "diff-share.ldd", "`MANIFEST.json`": "MANIFEST.json",
-             "`CONTROLLER.json`": "CONTROLLER.json", "`TIERS.json`": "TIERS.json"}
+             "`CONTROLLER.json`": "CONTROLLER.json", "`TIERS.json`": "TIERS.json",
+             "bucket `MANIFEST-N.json`": BUCKET_MANIFEST}
     assert sorted(row[0] for row in rows) == sorted(files)
     # A file kind with optional fields is also written as a run that writes them does.
     with_optional = {"full-checkpoint share": "full-share-dtensors.ldf",
@@ -358,7 +382,7 @@ def test_format_md_lists_every_field_kind_and_version_lowdiff_writes(tmp_path):
         if kind == "-":
             body = json.loads(data)
             assert sorted(fields) == sorted(fields_of(body)), name
-            assert (body.get("manifest") or body)["version"] == int(version), name
+            assert (body.get("manifest") or body.get("bucket_manifest") or body)["version"] == int(version), name
             continue
         kind_number = int(kind)
         assert container.KIND_NAMES[kind_number] == name and data[:16] == container.preamble_bytes(kind_number)
