@@ -52,5 +52,6 @@ class MissingRankDirectoryError(CheckpointError):
 
 
 class MissingDeviceError(CheckpointError):
-    """A striped full checkpoint names a device directory that does not exist (a drive not
-    mounted). Never read as empty and never a reason to delete: the message names the directory."""
+    """A striped full checkpoint, or a differential batch on another drive, names a device
+    directory that does not exist (a drive not mounted). Never read as empty and never a reason
+    to delete: the message names the directory."""

@@ -25,7 +25,8 @@ from lowdiff.format.fullckpt import load_full
 from lowdiff.format.records import dtype_from_name
 from lowdiff.format.schema import FullIndex, FullState
 from lowdiff.store.inventory import check_entry, take_inventory
-from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, chain_end, describe_retained, plan_chain
+from lowdiff.store.manifest import MANIFEST_NAME, BatchEntry, chain_end, describe_retained, entry_path, plan_chain
+from lowdiff.store.stripes import check_batch_device
 from recovery.execute import Restored, execute
 from recovery.pipeline.replay import ReplayPipeline, replay
 from recovery.plan import Candidate, Loaded, Plan, checkpoint_directory, warn
@@ -310,7 +311,8 @@ def _open_chain(directory: str, inventory, base_step: int, stop_step: int | None
 
 
 def _open_batch(directory, inventory, entry, base_step, stop_step):
-    path = os.path.join(directory, entry.file)
+    path = entry_path(directory, entry)   # (a batch on another drive: there)
+    check_batch_device(directory, entry)  # a drive not mounted is refused by name, never "missing"
     ends = f"the chain from step {base_step} ends at step {entry.first - 1}"
     try:
         reader = BatchReader(path)

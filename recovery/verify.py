@@ -15,7 +15,8 @@ from lowdiff.errors import CorruptCheckpointError, VersionMismatchError
 from lowdiff.format.batchfile import BatchReader
 from lowdiff.format.fullckpt import load_full
 from lowdiff.store.inventory import check_entry, take_inventory
-from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, Manifest, plan_chain, read_manifest
+from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, Manifest, entry_path, plan_chain, read_manifest
+from lowdiff.store.stripes import check_batch_device
 from recovery.pipeline.replay import check_workers, verify_workers
 
 
@@ -111,7 +112,9 @@ def _inventory_problems(directory: str, inventory) -> list:
 def _check(directory: str, entry, run):
     """(Problem or None, the last step this file carries the chain to: full step, or the last
     record of a batch that verifies in order; None when nothing of it is usable)."""
-    path = os.path.join(directory, entry.file)
+    path = entry_path(directory, entry)   # (a batch on another drive: there)
+    if not isinstance(entry, FullEntry):
+        check_batch_device(directory, entry)   # a drive not mounted: refused by name, as a stripe's
 
     def check():
         if isinstance(entry, FullEntry):

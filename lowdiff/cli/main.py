@@ -171,7 +171,8 @@ def _inspect_directory(directory: str) -> None:
     print(f"differential batches ({len(manifest.batches)}, {steps} steps, {_human(total)}"
           f"{f', {_human(total // steps)}/step' if steps else ''}):")
     for batch in manifest.batches:
-        print(f"  steps {batch.first:>8}-{batch.last:<8} {_human(batch.nbytes):>10}  {batch.file}")
+        where = f"  on {batch.dir}" if batch.dir is not None else ""
+        print(f"  steps {batch.first:>8}-{batch.last:<8} {_human(batch.nbytes):>10}  {batch.file}{where}")
     for name, why, _ in inventory.ignored:
         print(f"  not used: {name}: {why}")
 

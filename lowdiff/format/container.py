@@ -163,37 +163,46 @@ class FullEntry:
 
 @dataclasses.dataclass(frozen=True)
 class BatchEntry:
-    """A committed differential batch (or share of one) of steps ``first..last``."""
+    """A committed differential batch (or share of one) of steps ``first..last``; ``dir``: the
+    absolute directory of the drive it was written to (None: the checkpoint directory itself)."""
     first: int
     last: int
     file: str
     nbytes: int
     session: str
+    dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RetiredEntry:
     """A file the commit of this manifest stopped listing: the next trainer may delete it (and
-    its ``stripes`` first, when it is a striped full checkpoint)."""
+    its ``stripes`` first, when it is a striped full checkpoint); ``dir``: where it is, as its
+    entry said (a batch on another drive)."""
     file: str
     nbytes: int
     stripes: tuple = ()
+    dir: str | None = None
 
 
 def _entry_json(entry) -> dict:
-    """A manifest entry as JSON: ``stripes`` only when there are some, so the manifest of a
-    directory without striping keeps its bytes."""
+    """A manifest entry as JSON: ``stripes`` only when there are some and ``dir`` only when it is
+    set, so the manifest of a directory without striping keeps its bytes."""
     out = dataclasses.asdict(entry)
     stripes = out.pop("stripes", ())
     if stripes:
         out["stripes"] = [s.to_json() for s in entry.stripes]
+    if out.get("dir", 0) is None:
+        del out["dir"]
     return out
 
 
 def _striped(cls, obj: dict, path: str):
-    """``cls(**obj)`` with its ``stripes`` list read as schema.Stripe (checked)."""
+    """``cls(**obj)`` with its ``stripes`` list read as schema.Stripe and its ``dir`` (an absolute
+    path, when present) checked."""
     if "stripes" in obj:
         obj = {**obj, "stripes": tuple(Stripe.from_json(path, s, i) for i, s in enumerate(obj["stripes"]))}
+    if obj.get("dir") is not None and not (isinstance(obj["dir"], str) and os.path.isabs(obj["dir"])):
+        raise ValueError(f"entry of {obj.get('file')!r}: dir {obj['dir']!r} is not an absolute path")
     return cls(**obj)
 
 
@@ -209,7 +218,7 @@ class ManifestRecord:
 
     def to_json(self) -> bytes:
         body = {"version": MANIFEST_VERSION, "fulls": [_entry_json(e) for e in self.fulls],
-                "batches": [dataclasses.asdict(e) for e in self.batches],
+                "batches": [_entry_json(e) for e in self.batches],
                 "retired": [_entry_json(e) for e in self.retired]}
         if self.run is not None:
             body["run"] = self.run
@@ -240,7 +249,7 @@ class ManifestRecord:
             if run is not None and not isinstance(run, str):
                 raise TypeError(f"run is {run!r}")
             return cls([_striped(FullEntry, e, path) for e in body["fulls"]],
-                       [BatchEntry(**e) for e in body["batches"]],
+                       [_striped(BatchEntry, e, path) for e in body["batches"]],
                        run, [_striped(RetiredEntry, e, path) for e in body.get("retired", [])])
         except (CorruptCheckpointError, VersionMismatchError):
             raise

@@ -39,7 +39,8 @@ class CheckpointSession:
         self.drainer = None          # storage tiers: copies committed files to the shared tier
         if config.tiers is not None:
             # (Partitioned: each rank drains its own rank directory; the join happens in there.)
-            self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition)
+            self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition,
+                                                  stripe_dirs=config.stripe_dirs)
         elif partition is None:
             self.store = CheckpointStore(directory, config.retention, stripe_dirs=config.stripe_dirs)
         elif config.stripe_dirs:

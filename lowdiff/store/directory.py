@@ -21,7 +21,16 @@ from collections.abc import Callable, Set
 from lowdiff import faults
 from lowdiff.errors import CheckpointLockedError
 from lowdiff.store.inventory import take_inventory
-from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, diff_name, full_name, write_manifest
+from lowdiff.store.manifest import (
+    BatchEntry,
+    FullEntry,
+    Manifest,
+    RetiredEntry,
+    diff_name,
+    entry_path,
+    full_name,
+    write_manifest,
+)
 from lowdiff.store.retention import KeepLast, Policy, check_policy, cleans_at_batch_commit, retain
 from lowdiff.store.stripes import StripeDevices, check_devices, check_stripe_dirs, remove_stripes
 
@@ -68,7 +77,7 @@ class CheckpointStore:
     def _open(self) -> None:
         """Reconcile the manifest with the files, delete what the committed manifest retired and
         temporary files of dead writers, and commit the view if it differs."""
-        inventory = take_inventory(self.directory)
+        inventory = take_inventory(self.directory, devices=self._stripe_dirs)
         for note in inventory.notes:
             log.warning("lowdiff: %s", note)
         check_devices(self.directory, inventory.manifest)
@@ -83,7 +92,8 @@ class CheckpointStore:
             for entry in committed.retired:
                 if entry.file in inventory.retired_present:
                     remove_stripes(self.directory, entry.stripes)
-        for name in inventory.retired_present + inventory.dead_temps:
+                    _unlink(entry_path(self.directory, entry))   # (a batch on another drive: there)
+        for name in inventory.dead_temps:
             _unlink(os.path.join(self.directory, name))
         for path in self.stripes.dead_temps() if self.stripes is not None else ():
             _unlink(path)
@@ -122,7 +132,10 @@ class CheckpointStore:
         return os.path.join(self.directory, full_name(step, self.session))
 
     def batch_path(self, first: int, last: int) -> str:
-        return os.path.join(self.directory, diff_name(first, last, self.session))
+        """Where the next batch is written: this directory, or with striping the next device in
+        turn (lowdiff.store.stripes); ``commit_batch`` lists it where it is."""
+        where = self.stripes.batch_directory() if self.stripes is not None else self.directory
+        return os.path.join(where, diff_name(first, last, self.session))
 
     # ------------------------------------------------------------------ commits
     def durable_step(self) -> int:
@@ -151,7 +164,9 @@ class CheckpointStore:
 
     def commit_batch(self, first: int, last: int, path: str, nbytes: int) -> None:
         with self._mutex:
-            entry = BatchEntry(first, last, os.path.basename(path), nbytes, self.session)
+            where = os.path.dirname(os.path.abspath(path))
+            entry = BatchEntry(first, last, os.path.basename(path), nbytes, self.session,
+                               None if where == self.directory else where)
             manifest = dataclasses.replace(self.manifest, batches=self.manifest.batches + [entry])
             if self._complete is not None and cleans_at_batch_commit(self.policy, len(manifest.fulls)):
                 # Shares kept while a newer set was incomplete may go once it completes.
@@ -183,15 +198,15 @@ class CheckpointStore:
         """Commit ``manifest``; then delete the files it stopped listing, which it names as retired
         (so a crash before a deletion leaves the next trainer the permission to finish it)."""
         listed = manifest.files()
-        retired = [RetiredEntry(e.file, e.nbytes, getattr(e, "stripes", ())) for e in self.manifest.fulls +
-                   self.manifest.batches if e.file not in listed]
+        retired = [RetiredEntry(e.file, e.nbytes, getattr(e, "stripes", ()), getattr(e, "dir", None))
+                   for e in self.manifest.fulls + self.manifest.batches if e.file not in listed]
         manifest = dataclasses.replace(manifest, run=self.run, retired=retired)
         write_manifest(self.directory, manifest)
         faults.point("manifest-commit")
         self.manifest = manifest
         for entry in retired:
             remove_stripes(self.directory, entry.stripes, self.clean_point)   # first: the file names them
-            _unlink(os.path.join(self.directory, entry.file))
+            _unlink(entry_path(self.directory, entry))
             faults.point(self.clean_point)
         for hook in self.after_commit:
             hook(manifest)

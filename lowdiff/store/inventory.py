@@ -24,7 +24,7 @@ import re
 from lowdiff.errors import CorruptCheckpointError, DirectoryBusyError, ForeignFileError, VersionMismatchError
 from lowdiff.format import container
 from lowdiff.format.schema import FullIndex
-from lowdiff.store.manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest
+from lowdiff.store.manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, Manifest, entry_path
 from lowdiff.store.rankdirs import RANK_DIR_RE
 
 # Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND", for checkpoint files, the
@@ -58,19 +58,21 @@ class Inventory:
                                                                         self.superseded)
 
 
-def take_inventory(directory: str, *, skip_other_versions: bool = False) -> Inventory:
+def take_inventory(directory: str, *, skip_other_versions: bool = False, devices=()) -> Inventory:
     """The reconciled view of ``directory`` (see the module doc). Retries while a live trainer
     replaces the manifest underneath; raises DirectoryBusyError if it never holds still.
 
     A checkpoint file of another format version raises VersionMismatchError, unless
     ``skip_other_versions`` (an older state was asked for explicitly): then it is left unused with
-    a note."""
+    a note. ``devices``: the other drives' directories (a trainer's ``stripe_dirs``), whose
+    unlisted batches of this run are adopted too (docs/format.md, "Differential batches on the
+    drives")."""
     for _ in range(_READ_ATTEMPTS):
         before = _manifest_bytes(directory)
         names = _regular_files(directory)
         after = _manifest_bytes(directory)
         if before == after:
-            return _reconcile(directory, before, names, skip_other_versions)
+            return _reconcile(directory, before, names, skip_other_versions, tuple(devices))
     raise DirectoryBusyError(f"{directory}: the manifest changed {_READ_ATTEMPTS} times while it was read; "
                              f"a trainer is committing checkpoints right now — try again")
 
@@ -96,7 +98,8 @@ def _regular_files(directory: str) -> dict:
     return out
 
 
-def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versions: bool) -> Inventory:
+def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versions: bool,
+               devices: tuple = ()) -> Inventory:
     notes: list = []
     committed = None
     if data is not None:
@@ -123,17 +126,20 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
         run = _newest_run(directory, checkpoint_names)
         view, adopted, ignored = _adopt(directory, Manifest(run=run), checkpoint_names, sizes, skip_other_versions)
         view = dataclasses.replace(view, rebuilt=True)
+        view, adopted = _adopt_on_devices(view, devices, adopted, notes)
         notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
         return Inventory(view, data, tuple(adopted), (), (), foreign, tuple(ignored), (), dead_temps, tuple(notes))
     retired_present = tuple(r.file for r in committed.retired
-                            if r.file not in committed.files() and sizes.get(r.file) == r.nbytes)
+                            if r.file not in committed.files() and _size(directory, r, sizes) == r.nbytes)
     listed = committed.files()
-    missing = sorted(name for name in listed if name not in sizes)
-    view = dataclasses.replace(committed, fulls=[f for f in committed.fulls if f.file in sizes],
-                               batches=[b for b in committed.batches if b.file in sizes], retired=[])
+    present = {e.file for e in committed.fulls + committed.batches if _size(directory, e, sizes) is not None}
+    missing = sorted(name for name in listed if name not in present)
+    view = dataclasses.replace(committed, fulls=[f for f in committed.fulls if f.file in present],
+                               batches=[b for b in committed.batches if b.file in present], retired=[])
     view, skipped = _without_other_versions(directory, view, skip_other_versions)
     unlisted = [n for n in checkpoint_names if n not in listed and n not in retired_present]
     view, adopted, ignored = _adopt(directory, view, unlisted, sizes, skip_other_versions)
+    view, adopted = _adopt_on_devices(view, devices, adopted, notes, set(listed) | set(retired_present))
     superseded: list = []
     if adopted:
         shown = ", ".join(adopted[:4]) + (" ..." if len(adopted) > 4 else "")
@@ -153,8 +159,9 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
         if superseded:
             notes.append(f"{directory}: {len(superseded)} files the stale {MANIFEST_NAME} lists are gone, "
                          f"superseded by the newer files")
+    paths = {e.file: entry_path(directory, e) for e in committed.fulls + committed.batches}
     for name in missing:
-        notes.append(f"{os.path.join(directory, name)} is listed in {MANIFEST_NAME} but missing")
+        notes.append(f"{paths[name]} is listed in {MANIFEST_NAME} but missing")
     ignored += skipped
     notes += [f"{os.path.join(directory, name)} is not used: {why}" for name, why, _ in ignored]
     if view.run is None:  # a manifest written before runs existed
@@ -163,13 +170,54 @@ def _reconcile(directory: str, data: bytes | None, sizes: dict, skip_other_versi
                      retired_present, dead_temps, tuple(notes))
 
 
+def _size(directory: str, entry, sizes: dict) -> int | None:
+    """The size of an entry's file (None: it is not there). A batch on another drive whose
+    directory does not exist counts as there (-1): a drive not mounted is refused by name where
+    the batch is used or a trainer starts (lowdiff.store.stripes), never dropped as missing."""
+    where = getattr(entry, "dir", None)
+    if where is None:
+        return sizes.get(entry.file)
+    if not os.path.isdir(where):
+        return -1
+    try:
+        return os.stat(os.path.join(where, entry.file)).st_size
+    except FileNotFoundError:
+        return None
+
+
+def _adopt_on_devices(view: Manifest, devices: tuple, adopted: list, notes: list, taken=frozenset()):
+    """``view`` with the unlisted batches of the other drives' ``devices`` adopted: those whose
+    index verifies and whose run is ``view``'s (a drive may hold other runs' files: left alone,
+    silently; damaged ones with a note). Their entries carry ``dir``."""
+    if not devices or view.run is None:
+        return view, adopted
+    batches, adopted = list(view.batches), list(adopted)
+    for device in devices:
+        try:
+            sizes = _regular_files(device)
+        except FileNotFoundError:
+            continue
+        for name in sorted((n for n in sizes if DIFF_RE.match(n) and n not in taken), key=_step_order):
+            path = os.path.join(device, name)
+            try:
+                entry, run = _describe(path, name, sizes[name])
+            except (CorruptCheckpointError, VersionMismatchError, OSError, EOFError) as exc:
+                notes.append(f"{path} is not used: {getattr(exc, 'problem', None) or exc}")
+                continue
+            if entry is not None and run == view.run:
+                batches.append(dataclasses.replace(entry, dir=device))
+                adopted.append(name)
+    return dataclasses.replace(view, batches=batches), adopted
+
+
 def _without_other_versions(directory: str, view: Manifest, skip: bool):
     """``view`` without listed files of another format version (reads each preamble): raises
     VersionMismatchError for the first, unless ``skip``. Such files are then never touched."""
     skipped = []
+    where = {e.file: entry_path(directory, e) for e in view.fulls + view.batches}
     for name in sorted(view.files(), key=_step_order):
         try:
-            container.check_version(os.path.join(directory, name))
+            container.check_version(where[name])
         except VersionMismatchError as exc:
             if not skip:
                 raise

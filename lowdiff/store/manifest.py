@@ -23,7 +23,7 @@ from lowdiff.format.container import (
 )
 
 __all__ = ["DIFF_RE", "FULL_RE", "MANIFEST_NAME", "MANIFEST_VERSION", "BatchEntry", "FullEntry", "Manifest",
-           "RetiredEntry", "chain_end", "describe_retained", "diff_name", "full_name", "plan_chain",
+           "RetiredEntry", "chain_end", "describe_retained", "diff_name", "entry_path", "full_name", "plan_chain",
            "read_manifest", "write_manifest"]
 
 MANIFEST_NAME = "MANIFEST.json"
@@ -37,6 +37,13 @@ def full_name(step: int, session: str) -> str:
 
 def diff_name(first: int, last: int, session: str) -> str:
     return f"diff-{first:012d}-{last:012d}-{session}.ldd"
+
+
+def entry_path(directory: str, entry) -> str:
+    """Where the file of a manifest entry of ``directory`` is: in its ``dir`` (a batch written to
+    another drive, docs/format.md "Differential batches on the drives"), else in ``directory``."""
+    where = getattr(entry, "dir", None)
+    return os.path.join(where if where is not None else directory, entry.file)
 
 
 class Manifest(ManifestRecord):

@@ -6,10 +6,12 @@ The checkpoint's own directory is device 0; ``stripe_dirs`` are the others. A pa
 over the devices in units of STRIPE_UNIT_BYTES, round robin (RAID-0), one stripe file per device, and
 every stripe is written and committed (temporary name,
 ``fdatasync``, rename, directory ``fsync``) before the checkpoint file that names them is: the
-checkpoint exists only once every stripe is durable.
+checkpoint exists only once every stripe is durable. Differential batches go to the devices in turn,
+one whole file each (docs/format.md, "Differential batches on the drives"): ``batch_directory``.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -22,6 +24,9 @@ from lowdiff.format.schema import PAGE, Stripe, stripe_pieces
 STRIPE_RE = re.compile(r"^full-(\d{12})-([0-9a-f]{8})-s(\d{2})\.lds$")
 # fastio.Writer's temporary name of a stripe (".NAME.tmp-PID-RAND").
 STRIPE_TEMP_RE = re.compile(r"^\.(full-\d{12}-[0-9a-f]{8}-s\d{2}\.lds)\.tmp-(\d+)-[0-9a-f]+$")
+# ... and of a differential batch written to another device (the checkpoint directory's own are
+# lowdiff.store.inventory's to find).
+BATCH_TEMP_RE = re.compile(r"^\.(diff-\d{12}-\d{12}-[0-9a-f]{8}\.ldd)\.tmp-(\d+)-[0-9a-f]+$")
 MAX_DEVICES = 100   # two digits in a stripe's name
 # The unit of the layout: payload bytes [i * U, (i + 1) * U) go to device i mod N. Small enough that
 # a payload read in file order (32 MiB chunks, lowdiff.format.payloadread) keeps every device busy at
@@ -70,6 +75,16 @@ class StripeDevices:
         self.stripe_dirs = tuple(stripe_dirs)
         config = fastio.FastioConfig.from_env()
         self._engines = [fastio.make_engine(config) for _ in range(len(stripe_dirs) + 1)]
+        self._batches = itertools.count()   # batches this session placed (round robin)
+
+    def batch_directory(self) -> str:
+        """The directory the next differential batch goes to: the devices in turn, device 0 first.
+        Round robin, not the least-loaded device: one writer writes batches one at a time, and every
+        full checkpoint loads the devices alike (a stripe each), so none is busier when a batch is
+        written; in turn, a chain's consecutive batches are on different devices (a replay reads
+        them ahead in parallel) and each device holds an equal share of them."""
+        dirs = (self.directory, *self.stripe_dirs)
+        return dirs[next(self._batches) % len(dirs)]
 
     def write(self, step: int, session: str, payload: memoryview) -> tuple[int, tuple[Stripe, ...]]:
         """Write ``payload`` as stripes, one per device, in parallel; return (unit, stripes) once
@@ -110,14 +125,17 @@ class StripeDevices:
         return unit, tuple(results)
 
     def dead_temps(self) -> list[str]:
-        """Temporary stripe files on every device whose writer process is gone."""
+        """Temporary stripe files on every device, and batch files on the other devices, whose
+        writer process is gone."""
         out = []
         for directory in (self.directory, *self.stripe_dirs):
             try:
                 names = os.listdir(directory)
             except FileNotFoundError:
                 continue
-            out += [os.path.join(directory, n) for n in names if _dead_writer(n)]
+            other = directory != self.directory
+            out += [os.path.join(directory, n) for n in names
+                    if _dead_writer(STRIPE_TEMP_RE, n) or (other and _dead_writer(BATCH_TEMP_RE, n))]
         return out
 
     def close(self) -> None:
@@ -127,10 +145,22 @@ class StripeDevices:
             engine.close()
 
 
+def check_batch_device(directory: str, batch) -> None:
+    """Raise MissingDeviceError when ``batch`` (a manifest entry of ``directory``) is on another
+    drive whose directory does not exist: never read as a missing or damaged file."""
+    if batch.dir is not None and not os.path.isdir(batch.dir):
+        raise MissingDeviceError(f"{os.path.join(batch.dir, batch.file)}: differential batch of steps {batch.first}.."
+                                 f"{batch.last} listed in {directory} is in {batch.dir}, which does not exist (a "
+                                 f"drive that is not mounted?); mount it and start again")
+
+
 def check_devices(directory: str, manifest) -> None:
     """Raise MissingDeviceError naming the first device directory that a full checkpoint
-    ``manifest`` lists has stripes in and that does not exist (a drive not mounted): a trainer
-    would otherwise create it empty, and its checkpoints would read as damaged."""
+    ``manifest`` lists has stripes in, or a batch it lists is in, and that does not exist (a drive
+    not mounted): a trainer would otherwise create it empty, and its checkpoints would read as
+    damaged (and be dropped from the manifest)."""
+    for batch in manifest.batches:
+        check_batch_device(directory, batch)
     for full in manifest.fulls:
         for number, stripe in enumerate(full.stripes):
             if stripe.dir is not None and not os.path.isdir(stripe.dir):
@@ -160,8 +190,8 @@ def remove_stripes(directory: str, stripes, fault: str | None = None) -> None:
             faults.point(fault)
 
 
-def _dead_writer(name: str) -> bool:
-    m = STRIPE_TEMP_RE.match(name)
+def _dead_writer(pattern: re.Pattern, name: str) -> bool:
+    m = pattern.match(name)
     if not m or int(m.group(2)) == os.getpid():
         return False
     try:

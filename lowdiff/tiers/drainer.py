@@ -12,6 +12,7 @@ training thread on every call (the shared tier has stopped receiving checkpoints
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,12 +24,13 @@ import fastio
 from lowdiff import faults
 from lowdiff.distributed.partition import Partition, rank_directory
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
-from lowdiff.store.manifest import FullEntry, Manifest
+from lowdiff.store.manifest import FullEntry, Manifest, entry_path
 from lowdiff.store.retention import Policy
 from lowdiff.tiers.bucket import BucketStore, check_bucket_layout, complete_in_bucket, rank_url
 from lowdiff.tiers.marker import check_layouts, complete_in, join_runs, refuse_runs, write_marker
 from lowdiff.tiers.objectstore import is_object_url
 from lowdiff.tiers.policy import PolicyStore, Tiers
+from lowdiff.tiers.unstripe import copy_unstriped
 
 log = logging.getLogger("lowdiff")
 _CHUNK_BYTES = 8 << 20
@@ -247,10 +249,14 @@ class Drainer:
             self._skip(entry)
             return
         timings: dict = {}
-        source = os.path.join(self.local.directory, entry.file)
+        source = entry_path(self.local.directory, entry)   # (a batch on another drive: there)
+        striped = bool(getattr(entry, "stripes", ()))
         try:
             if isinstance(self.shared, BucketStore):
                 nbytes = self.shared.receive(source, entry, timings)
+            elif striped:   # copied as one unstriped checkpoint: the shared tier resumes alone
+                nbytes = copy_unstriped(source, os.path.join(self.shared.directory, entry.file), check_copy,
+                                        self._engine, verify=self.verify_copies, timings=timings)
             else:
                 nbytes = copy_file(source, os.path.join(self.shared.directory, entry.file), self._engine,
                                    verify=self.verify_copies, timings=timings)
@@ -260,12 +266,14 @@ class Drainer:
                     raise
             self._skip(entry)   # dropped by the local tier meanwhile (abandoned timeline)
             return
-        if nbytes != entry.nbytes:
+        if nbytes != entry.nbytes and not striped:
             raise CheckpointError(f"{entry.file} is {nbytes} bytes in {self.local.directory}, its manifest "
                                   f"says {entry.nbytes}")
         faults.point("drain-commit")
         committing = time.perf_counter()
-        self.shared.commit_copied(entry)
+        # The shared tier's entry: the file is there, whole (no stripes, no other drive).
+        self.shared.commit_copied(dataclasses.replace(entry, nbytes=nbytes, stripes=()) if striped else
+                                  dataclasses.replace(entry, dir=None) if getattr(entry, "dir", None) else entry)
         with self._cond:
             self._done.add(entry.file)
             self._done &= self._local.files() | self.shared.manifest.files()   # bounded by what is listed
@@ -290,14 +298,23 @@ class Drainer:
 
 
 def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
-               partition: Partition | None = None) -> tuple[PolicyStore, Drainer]:
+               partition: Partition | None = None, stripe_dirs=()) -> tuple[PolicyStore, Drainer]:
     """The local tier's store (``directory``) and the drainer to ``tiers.shared_dir``; both hold
     their directory's lock. ``retention``: the local tier's policy unless ``tiers.local`` names
     one (wrap's ``retention``). With ``partition`` (this rank of a partitioned run), the rank's
     directory of each tier: ``directory/rank-N`` drains into ``shared_dir/rank-N``, each tier's
-    retention counting its own complete sets; ``partition.join`` (a collective) happens here."""
+    retention counting its own complete sets; ``partition.join`` (a collective) happens here.
+    ``stripe_dirs``: the local tier's other drives (lowdiff.store.stripes); its striped full
+    checkpoints are drained as unstriped ones (lowdiff.tiers.unstripe), its batches from their drive."""
     if is_object_url(tiers.shared_dir):
+        if stripe_dirs:
+            raise ValueError(f"Options(stripe_dirs={tuple(stripe_dirs)!r}) with the shared tier {tiers.shared_dir}: "
+                             f"checkpoints on several drives are not drained to an object store yet (a shared "
+                             f"directory can take them)")
         return _open_bucket(directory, tiers, retention, engine, partition)
+    if stripe_dirs and partition is not None:
+        raise ValueError(f"Options(stripe_dirs={tuple(stripe_dirs)!r}) in a partitioned directory: striping a rank "
+                         f"directory's full checkpoints is not supported yet")
     local_dir = directory if partition is None else partition.directory
     shared_dir = tiers.shared_dir if partition is None else rank_directory(tiers.shared_dir, partition.rank)
     if os.path.realpath(directory) == os.path.realpath(tiers.shared_dir):
@@ -309,9 +326,8 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
     # (A set is complete for the local tier when it is complete there or in the shared tier: ranks
     # on other nodes keep their local rank directories where this rank cannot see them, but every
     # share in the shared tier was committed locally first.)
-    local = PolicyStore(local_dir, tiers.local_policy(retention), complete=in_local)
+    local = PolicyStore(local_dir, tiers.local_policy(retention), complete=in_local, stripe_dirs=stripe_dirs)
     try:
-        refuse_striped(local)
         shared = PolicyStore(shared_dir, tiers.shared, clean_point="clean", complete=in_shared)
         try:
             join_runs(local, shared)
@@ -333,13 +349,15 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
 
 
 def refuse_striped(local: PolicyStore) -> None:
-    """A local tier listing full checkpoints striped over several drives (lowdiff.store.stripes) is
-    refused: the drainer copies one file per entry, and a striped checkpoint's file holds no payload."""
-    striped = [f.file for f in local.manifest.fulls if f.stripes]
+    """A local tier listing full checkpoints striped over several drives (lowdiff.store.stripes), or
+    batches on other drives, is refused with an object store as the shared tier: an upload sends one
+    local file per entry, and a striped checkpoint's file holds no payload."""
+    striped = [f.file for f in local.manifest.fulls if f.stripes] + [b.file for b in local.manifest.batches if b.dir]
     if striped:
-        raise ValueError(f"{local.directory} holds full checkpoints striped over several drives ({striped[0]}"
-                         f"{' and more' if len(striped) > 1 else ''}): they cannot be drained to a shared tier yet; "
-                         f"wrap without tiers=, or start the tiered run in another directory")
+        raise ValueError(f"{local.directory} holds checkpoints on several drives ({striped[0]}"
+                         f"{' and more' if len(striped) > 1 else ''}): they cannot be drained to an object store "
+                         f"yet (a shared directory can); wrap without tiers=, or start the tiered run in another "
+                         f"directory")
 
 
 def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,

@@ -83,10 +83,10 @@ class PolicyStore(CheckpointStore):
     CheckpointStore): the policy counts complete sets only."""
 
     def __init__(self, directory: str, policy: Policy, *, pinned: Callable[[], set] | None = None,
-                 clean_point: str = "retention", complete=None):
+                 clean_point: str = "retention", complete=None, stripe_dirs=()):
         self.on_commit: Callable[[Manifest], None] | None = None
         self.clean_point = clean_point
-        super().__init__(directory, policy, complete=complete, pinned=pinned)
+        super().__init__(directory, policy, complete=complete, pinned=pinned, stripe_dirs=stripe_dirs)
 
     def _commit(self, manifest: Manifest) -> None:
         super()._commit(manifest)

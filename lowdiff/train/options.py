@@ -163,7 +163,8 @@ class Options:
     whose cores all train, a background copy takes a core from them (docs/measurements.md).
     ``stripe_dirs``: directories on other local drives (one each) that every full checkpoint's
     payload is striped over, together with the checkpoint directory, written and read on every
-    drive at once (docs/guide.md, "Several local drives"); empty: one directory."""
+    drive at once, and that differential batches go to in turn (docs/guide.md, "Several local
+    drives"); empty: one directory."""
 
     boundary: Literal["step", "manual"] = "step"
     max_pending_batches: int = 2
@@ -222,9 +223,6 @@ def wrap_config(full_every: int | str | None, batch_steps: int | str | None, sch
         fields["differentials"] = schedule.differentials
     fields.update(failure_rate_per_hour=schedule.failure_rate_per_hour, max_recovery_s=schedule.max_recovery_s,
                   batch_memory_bytes=schedule.batch_memory_bytes)
-    if options.stripe_dirs and tiers is not None:
-        raise ValueError(f"options=Options(stripe_dirs={options.stripe_dirs!r}) and tiers={tiers!r}: striped full "
-                         f"checkpoints are not drained to a shared tier yet; give one of the two")
     return WrapConfig(**fields, retention=KeepLast(2) if retention is None else retention, tiers=tiers,
                       boundary=options.boundary, max_pending_batches=options.max_pending_batches,
                       overwrite=options.overwrite, full_copy=options.full_copy, stripe_dirs=options.stripe_dirs)

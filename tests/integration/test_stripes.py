@@ -164,17 +164,14 @@ def test_a_missing_drive_is_refused_by_name_and_nothing_is_deleted(striped):
 def test_stripe_dirs_are_checked():
     with pytest.raises(ValueError, match="stripe_dirs"):
         lowdiff.Options(stripe_dirs="/mnt/nvme1")
-    with pytest.raises(ValueError, match="tiers"):
-        from lowdiff.train.options import wrap_config
-        wrap_config(None, None, None, None, lowdiff.Tiers("/tmp/shared"), lowdiff.Options(stripe_dirs=("/a",)))
 
 
-def test_a_striped_directory_is_not_drained_to_a_shared_tier(striped, tmp_path):
+def test_a_striped_directory_is_not_drained_to_an_object_store(striped, tmp_path):
+    """(A shared directory can take it: tests/integration/test_stripe_batches.py.)"""
     directory, _ = striped
     model, opt, sched, sampler = build()
-    with pytest.raises(ValueError, match="cannot be drained to a shared tier yet"):
-        wrap(str(directory), model, opt, sched, sampler, tiers=lowdiff.Tiers(str(tmp_path / "shared")))
-    assert not (tmp_path / "shared" / "MANIFEST.json").exists()
+    with pytest.raises(ValueError, match="cannot be drained to an object store yet"):
+        wrap(str(directory), model, opt, sched, sampler, tiers=lowdiff.Tiers("s3://bucket/prefix"))
 
 
 def test_the_same_drive_twice_is_refused(tmp_path):
