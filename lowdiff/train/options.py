@@ -157,10 +157,10 @@ class Options:
     ``max_pending_batches``: batches recorded but not yet durable before ``step()`` blocks (a
     SIGKILL loses at most about that many). ``overwrite``: start recording over a directory that
     holds later steps without resuming from it. ``full_copy``: where a full checkpoint's state is
-    copied into staging — "background", on the persist thread while the next forward and backward
-    run (``step()`` waits only for what is left of it); "in_step", inside ``step()`` before it
-    returns, which blocks the step for the copy but leaves the next iterations alone: on a CPU
-    whose cores all train, a background copy takes a core from them (docs/measurements.md).
+    copied into staging — "background" (the default), on the persist thread while the next forward
+    and backward run (``step()`` waits only for what is left of it); "in_step", inside ``step()``
+    before it returns. On our 2-core machine "in_step" cost more both ways (docs/measurements.md):
+    it is there to measure the two on your machine.
     ``stripe_dirs``: directories on other local drives (one each) that every full checkpoint's
     payload is striped over, together with the checkpoint directory, written and read on every
     drive at once, and that differential batches go to in turn (docs/guide.md, "Several local
