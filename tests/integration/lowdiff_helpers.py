@@ -113,3 +113,22 @@ def train_on_loader(directory, model, loader, stop: int, *, full_every: int, bat
 
 def same_tensors(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def train_striped(directory, devices, stop, **options):
+    """Resume (or start) the demo's training in ``directory`` with full checkpoints striped over
+    ``devices`` as well (Options(stripe_dirs=...)), train to ``stop`` and close."""
+    model, opt, sched, sampler = build()
+    opt = wrap(str(directory), model, opt, sched, sampler,
+               options=lowdiff.Options(stripe_dirs=tuple(str(d) for d in devices)), **options)
+    start = recovery.resume(str(directory), model, opt)
+    train_steps(model, opt, sched, sampler, start, stop)
+    opt.close()
+
+
+def manifest_json(directory) -> dict:
+    """The manifest of ``directory`` as it lies in MANIFEST.json (the raw JSON)."""
+    import json
+    import os
+    with open(os.path.join(directory, "MANIFEST.json")) as f:
+        return json.load(f)["manifest"]

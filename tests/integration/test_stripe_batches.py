@@ -7,7 +7,6 @@ point), compared byte for byte with the uninterrupted run.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -15,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from lowdiff_helpers import build, reference_digests, resumed_digest, train_steps, wrap
+from lowdiff_helpers import build, manifest_json, reference_digests, resumed_digest, train_striped, wrap
 
 import lowdiff
 import recovery
@@ -29,18 +28,6 @@ STEPS = 16
 TIMEOUT_S = 240   # only against hangs; nothing is timed
 
 
-def _train(directory, devices, stop, **options):
-    model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler,
-               options=lowdiff.Options(stripe_dirs=tuple(str(d) for d in devices)), **options)
-    start = recovery.resume(str(directory), model, opt)
-    train_steps(model, opt, sched, sampler, start, stop)
-    opt.close()
-
-
-def _manifest(directory) -> dict:
-    with open(os.path.join(directory, "MANIFEST.json")) as f:
-        return json.load(f)["manifest"]
 
 
 def _batch_files(drives) -> set:
@@ -49,7 +36,7 @@ def _batch_files(drives) -> set:
 
 
 def _listed_batches(directory) -> set:
-    return {(b.get("dir") or str(directory), b["file"]) for b in _manifest(directory)["batches"]}
+    return {(b.get("dir") or str(directory), b["file"]) for b in manifest_json(directory)["batches"]}
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +47,13 @@ def reference():
 @pytest.fixture
 def striped(tmp_path):
     directory, devices = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"]
-    _train(directory, devices, STEPS)
+    train_striped(directory, devices, STEPS)
     return directory, devices
 
 
 def test_batches_go_to_the_drives_in_turn_and_resume_exactly(striped, reference, tmp_path, capsys):
     directory, devices = striped
-    batches = _manifest(directory)["batches"]
+    batches = manifest_json(directory)["batches"]
     # One session, batches in commit order: the checkpoint directory, then each drive, in turn. An
     # entry in the directory itself has no "dir" (its bytes are as without striping).
     drives = [None, str(devices[0]), str(devices[1])]
@@ -91,7 +78,7 @@ def test_retention_removes_batches_on_every_drive(striped, reference):
     directory, devices = striped
     before = _batch_files(devices)
     assert before
-    _train(directory, devices, STEPS + 6, retention=lowdiff.KeepLast(1))
+    train_striped(directory, devices, STEPS + 6, retention=lowdiff.KeepLast(1))
     after = _batch_files([directory, *devices])
     assert after == _listed_batches(directory)
     assert not before & after   # every batch of the first session was retired, from its own drive
@@ -102,7 +89,7 @@ def test_retention_removes_batches_on_every_drive(striped, reference):
 def test_a_damaged_batch_on_the_second_drive_falls_back_to_its_valid_prefix(striped, reference, caplog):
     directory, devices = striped
     # The newest full checkpoint is of step 12; its chain is 13-15 (on the second drive) and 16.
-    batch = next(b for b in _manifest(directory)["batches"] if b["first"] == 13)
+    batch = next(b for b in manifest_json(directory)["batches"] if b["first"] == 13)
     assert (batch["dir"], batch["last"]) == (str(devices[0]), 15)
     path = os.path.join(batch["dir"], batch["file"])
     with BatchReader(path) as reader:
@@ -137,7 +124,7 @@ def test_a_batch_on_a_missing_drive_is_refused_by_name_and_nothing_is_deleted(tm
         opt.step()
         opt.zero_grad()
     opt.close()
-    manifest = _manifest(directory)
+    manifest = manifest_json(directory)
     striped_on = {s["dir"] for f in manifest["fulls"] for s in f["stripes"]}
     # The last drive holds a batch of the chain, and no stripe: only a batch is missing without it.
     drive = drives[-1]
@@ -225,8 +212,8 @@ def test_a_striped_run_drains_to_a_shared_tier_that_resumes_alone(tmp_path, refe
     """Striped full checkpoints are drained as unstriped ones and batches from their drives: the
     shared tier holds whole files only, and resumes exactly with the local drives gone."""
     directory, devices, shared = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"], tmp_path / "shared"
-    _train(directory, devices, STEPS, tiers=lowdiff.Tiers(str(shared), shared=lowdiff.KeepAll()))
-    local, copied = _manifest(directory), _manifest(shared)
+    train_striped(directory, devices, STEPS, tiers=lowdiff.Tiers(str(shared), shared=lowdiff.KeepAll()))
+    local, copied = manifest_json(directory), manifest_json(shared)
     assert any(f["stripes"] for f in local["fulls"]) and any(b.get("dir") for b in local["batches"])
     assert copied["fulls"] and all("stripes" not in f for f in copied["fulls"])
     assert copied["batches"] and all("dir" not in b for b in copied["batches"])
@@ -251,8 +238,8 @@ def test_a_damaged_stripe_is_not_drained(tmp_path):
     """A local stripe that fails its CRC-32C stops the drain with an error naming it; nothing of that
     checkpoint appears in the shared tier."""
     directory, devices, shared = tmp_path / "ckpt", [tmp_path / "nvme1"], tmp_path / "shared"
-    _train(directory, devices, 4)
-    full = max(_manifest(directory)["fulls"], key=lambda f: f["step"])
+    train_striped(directory, devices, 4)
+    full = max(manifest_json(directory)["fulls"], key=lambda f: f["step"])
     stripe = full["stripes"][1]
     path = os.path.join(stripe["dir"], stripe["file"])
     with open(path, "r+b") as f:
@@ -281,4 +268,4 @@ def test_sigkill_while_draining_a_striped_run_resumes_exactly(tmp_path, demo_ref
     assert not [n for n in os.listdir(shared) if ".tmp-" in n or n.endswith(".lds")]
     report = recovery.verify(str(shared))
     assert report.ok and report.newest_recoverable == 20, report.problems
-    assert all("stripes" not in f for f in _manifest(shared)["fulls"])
+    assert all("stripes" not in f for f in manifest_json(shared)["fulls"])

@@ -6,7 +6,6 @@ compared byte for byte with the uninterrupted run.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -14,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from lowdiff_helpers import build, reference_digests, resumed_digest, train_steps, wrap
+from lowdiff_helpers import build, manifest_json, reference_digests, resumed_digest, train_steps, train_striped, wrap
 
 import lowdiff
 from lowdiff.cli import main as cli
@@ -27,19 +26,6 @@ STEPS = 16
 TIMEOUT_S = 240   # only against hangs; nothing is timed
 
 
-def _train(directory, devices, stop, start=0, **options):
-    model, opt, sched, sampler = build()
-    opt = wrap(str(directory), model, opt, sched, sampler,
-               options=lowdiff.Options(stripe_dirs=tuple(str(d) for d in devices)), **options)
-    import recovery
-    start = recovery.resume(str(directory), model, opt)
-    train_steps(model, opt, sched, sampler, start, stop)
-    opt.close()
-
-
-def _manifest(directory) -> dict:
-    with open(os.path.join(directory, "MANIFEST.json")) as f:
-        return json.load(f)["manifest"]
 
 
 def _stripe_files(directory) -> set:
@@ -55,13 +41,13 @@ def reference():
 def striped(tmp_path):
     """A directory trained STEPS steps with its full checkpoints striped over it and two more drives."""
     directory, devices = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"]
-    _train(directory, devices, STEPS)
+    train_striped(directory, devices, STEPS)
     return directory, devices
 
 
 def test_a_striped_run_resumes_exactly_and_retention_cleans_every_drive(striped, reference):
     directory, devices = striped
-    manifest = _manifest(directory)
+    manifest = manifest_json(directory)
     fulls = manifest["fulls"]
     assert len(fulls) == 3   # the helpers keep 4; steps 0, 6, 12 (and none retired yet)...
     for full in fulls:
@@ -78,8 +64,8 @@ def test_a_striped_run_resumes_exactly_and_retention_cleans_every_drive(striped,
     result, digest = resumed_digest(directory)
     assert int(result) == STEPS and digest == reference[STEPS]
     # Retention: keep 1 from here; a resumed run commits a new full checkpoint and retires the rest.
-    _train(directory, devices, STEPS + 6, retention=lowdiff.KeepLast(1))
-    fulls = _manifest(directory)["fulls"]
+    train_striped(directory, devices, STEPS + 6, retention=lowdiff.KeepLast(1))
+    fulls = manifest_json(directory)["fulls"]
     assert len(fulls) == 1
     named = {(s["dir"] or str(directory), s["file"]) for s in fulls[0]["stripes"]}
     present = {(str(d), n) for d in [directory, *devices] for n in _stripe_files(d)}
@@ -97,7 +83,7 @@ def test_verify_inspect_and_export_of_a_striped_directory(striped, tmp_path, cap
 
 
 def _newest_stripe(directory, number):
-    full = max(_manifest(directory)["fulls"], key=lambda f: f["step"])
+    full = max(manifest_json(directory)["fulls"], key=lambda f: f["step"])
     stripe = full["stripes"][number]
     return full, os.path.join(stripe["dir"] or str(directory), stripe["file"])
 
@@ -111,7 +97,7 @@ def test_a_damaged_stripe_falls_back_with_a_warning_naming_it(striped, reference
     elif damage == "truncated":
         os.truncate(path, os.path.getsize(path) - 4096)
     else:   # the same stripe of the previous checkpoint, same size, under this one's name
-        older = sorted(_manifest(directory)["fulls"], key=lambda f: f["step"])[-2]
+        older = sorted(manifest_json(directory)["fulls"], key=lambda f: f["step"])[-2]
         stripe = older["stripes"][1]
         shutil.copyfile(os.path.join(stripe["dir"], stripe["file"]), path)
     with caplog.at_level(logging.WARNING, logger="lowdiff"):
@@ -153,7 +139,7 @@ def test_a_missing_drive_is_refused_by_name_and_nothing_is_deleted(striped):
     with pytest.raises(MissingDeviceError, match=str(devices[1])):
         resumed_digest(directory)
     with pytest.raises(MissingDeviceError, match=str(devices[1])):   # a trainer refuses to start too
-        _train(directory, devices, STEPS + 2)
+        train_striped(directory, devices, STEPS + 2)
     assert not devices[1].exists()   # not created empty
     assert {str(d): sorted(os.listdir(d)) for d in [directory, devices[0]]} == before
     moved.rename(devices[1])
@@ -218,7 +204,7 @@ def test_sigkill_during_striped_writes_resumes_exactly(tmp_path, demo_reference,
     digests = tmp_path / "digests.txt"
     killed = _demo(directory, devices, 20, digests, fault=fault)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    fulls = _manifest(directory)["fulls"]
+    fulls = manifest_json(directory)["fulls"]
     listed = {s["file"] for f in fulls for s in f["stripes"]}
     if fault == "retention:2":
         # Killed between the deletions of the first retired checkpoint's stripes: its file is
@@ -233,8 +219,8 @@ def test_sigkill_during_striped_writes_resumes_exactly(tmp_path, demo_reference,
         assert any(n not in listed for d in [directory, *devices] for n in _stripe_files(d))
     finished = _demo(directory, devices, 20, digests)
     # Whatever retention retired is gone from every drive once the next trainer has run.
-    listed = {s["file"] for f in _manifest(directory)["fulls"] for s in f["stripes"]}
-    retired_steps = {f["step"] for f in fulls} - {f["step"] for f in _manifest(directory)["fulls"]}
+    listed = {s["file"] for f in manifest_json(directory)["fulls"] for s in f["stripes"]}
+    retired_steps = {f["step"] for f in fulls} - {f["step"] for f in manifest_json(directory)["fulls"]}
     assert not [n for d in [directory, *devices] for n in _stripe_files(d)
                 if n not in listed and int(n[5:17]) in retired_steps]
     assert finished.returncode == 0, finished.stderr[-2000:]
@@ -263,9 +249,9 @@ def test_a_discarded_checkpoint_leaves_no_stripe(tmp_path):
         opt.step()
     assert any("step 6 is discarded" in str(w.message) for w in caught)
     opt.flush()
-    steps = [f["step"] for f in _manifest(directory)["fulls"]]
+    steps = [f["step"] for f in manifest_json(directory)["fulls"]]
     assert 6 not in steps
     present = {n for d in [directory, *devices] for n in _stripe_files(d)}
     assert not [n for n in present if n.startswith("full-000000000006-")]
-    assert present == {s["file"] for f in _manifest(directory)["fulls"] for s in f["stripes"]}
+    assert present == {s["file"] for f in manifest_json(directory)["fulls"] for s in f["stripes"]}
     opt.close()
