@@ -26,14 +26,13 @@ lose to our threads (a machine with no spare core pays it in wall time) or somet
 (waiting, page faults, memory bandwidth: then wall grows more than CPU).
 
 ``--phases`` also times the full writer's phases on its thread (copy, write + fsync, manifest +
-retention) by wrapping those methods; ``--idle-threads`` and ``--idle-copy`` put lowdiff's threads,
-or only the copy (a C call without the GIL), at SCHED_IDLE after the warmup: what placing the work
-in idle core time would buy (SCHED_IDLE on a thread that takes the GIL can starve the training
-thread of the GIL, which is why the copy alone is an option).
+retention) by wrapping those methods. ``--policies normal,idle-copy,idle-threads`` alternates, cycle
+by cycle in one run, where lowdiff's threads may run (see Placement): what placing the work in the
+cores' idle moments would buy, each placement judged against the same drift.
 
 Usage:
     python experiments/full_cost_threads.py [--steps 320] [--full-every 8] [--full-copy background]
-        [--phases] [--idle-threads | --idle-copy]
+        [--phases] [--policies normal,idle-copy,idle-threads]
 
 Timing tables only; tests never run this. Print progress to stderr.
 """
@@ -171,31 +170,41 @@ class PhaseClock:
                       f"{statistics.median(self.wall[name]):>7.1f} ms   ({len(self.cpu[name])} calls)")
 
 
-def set_idle_policy() -> None:
-    """SCHED_IDLE for every lowdiff/fastio thread alive now: they run only on a core nothing else
-    wants (a measurement of what placing the work in idle time would buy)."""
-    for t in threading.enumerate():
-        if t.native_id is not None and (t.name.startswith("lowdiff") or t.name.startswith("fastio")):
-            os.sched_setscheduler(t.native_id, os.SCHED_IDLE, os.sched_param(0))
-            log(f"  {t.name}: SCHED_IDLE")
+POLICIES = ("normal", "idle-copy", "idle-threads")
 
 
-def idle_during_copy() -> None:
-    """The full writer's copy (a C call without the GIL) at SCHED_IDLE, the rest of its work at the
-    normal policy: the copy takes only idle cores, and no thread holding the GIL is ever starved
-    (which would make the training thread wait for the GIL)."""
-    from lowdiff.format.fullckpt import Snapshot
-    plain_copy = Snapshot.copy
+class Placement:
+    """Where lowdiff's background work may run, switched per full-checkpoint cycle so that the
+    policies compared share one run (drift and neighbours hit them alike):
 
-    def copy(self, on_training_thread: bool) -> None:
-        if on_training_thread:
-            return plain_copy(self, on_training_thread)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        try:
-            return plain_copy(self, on_training_thread)
-        finally:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    Snapshot.copy = copy
+      normal        every thread at the default policy
+      idle-copy     the full writer's copy (a C call without the GIL) at SCHED_IDLE, the rest normal
+      idle-threads  every lowdiff/fastio thread at SCHED_IDLE (a thread holding the GIL can then be
+                    starved while the training thread waits for the GIL)
+    """
+
+    def __init__(self):
+        from lowdiff.format.fullckpt import Snapshot
+        self.policy = "normal"
+        plain_copy = Snapshot.copy
+        placement = self
+
+        def copy(snapshot, on_training_thread: bool) -> None:
+            if on_training_thread or placement.policy != "idle-copy":
+                return plain_copy(snapshot, on_training_thread)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            try:
+                return plain_copy(snapshot, on_training_thread)
+            finally:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        Snapshot.copy = copy
+
+    def set(self, policy: str) -> None:
+        self.policy = policy
+        idle = policy == "idle-threads"
+        for t in threading.enumerate():
+            if t.native_id is not None and (t.name.startswith("lowdiff") or t.name.startswith("fastio")):
+                os.sched_setscheduler(t.native_id, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
 
 
 def train(args) -> tuple[list[dict], float, int]:
@@ -211,17 +220,21 @@ def train(args) -> tuple[list[dict], float, int]:
                        full_every=args.full_every, batch_steps=10,
                        options=lowdiff.Options(full_copy=args.full_copy))
     state = [p.detach() for p in model.parameters()]
+    placement = Placement() if args.policies != ["normal"] else None
     rows = []
     sampler = None
     total = args.warmup + args.steps
     for s in range(total):
         if s == args.warmup:
             opt.flush()
-            if args.idle_threads:
-                set_idle_policy()
-            if args.idle_copy:
-                idle_during_copy()
             sampler = Sampler()
+        # lowdiff counts steps from 1: the step() of loop index s makes step s + 1, and takes a
+        # full checkpoint when s + 1 is a multiple of full_every. A cycle starts at that step.
+        since_full = (s + 1) % args.full_every
+        cycle = (s + 1) // args.full_every
+        policy = args.policies[cycle % len(args.policies)]
+        if placement is not None and since_full == 0:
+            placement.set(policy)
         x, y = gpt.batch(cfg, s)
         loss = model(x, y)
         loss.backward()
@@ -234,8 +247,7 @@ def train(args) -> tuple[list[dict], float, int]:
             # the training thread neither ran nor waited for a CPU: it slept (on the GIL, on
             # torch's workers at the end of a parallel region, on a lock or on I/O)
             row["sleep:training"] = row["wall"] - row["cpu:training"] - row["wait:training"]
-            # steps are counted from 1 by lowdiff: after loop index s the optimizer has made s + 1
-            row["since_full"] = (s + 1) % args.full_every
+            row["since_full"], row["policy"] = since_full, policy
             rows.append(row)
         if s % 50 == 0:
             log(f"  step {s}/{total}")
@@ -264,42 +276,44 @@ def report(rows: list[dict], copy_ms: float, state_bytes: int, args) -> None:
         ["wait:training", "wait:intra-op", "sleep:training"]
     heads = ["wall", "train cpu", "intra cpu", "lowdiff cpu", "uring cpu", "ended cpu", "others cpu",
              "train wait", "intra wait", "train sleep"]
-    classes = sorted({r["since_full"] for r in rows})
-    med = {c: {k: statistics.median(r[k] for r in rows if r["since_full"] == c) for k in keys} for c in classes}
-    # Baseline: the iterations of the second half of the cycle, pooled (a persist that overlaps
-    # them is over long before); the first half is charged its excess over it.
     far = args.full_every // 2
-    base = {k: statistics.median(r[k] for r in rows if r["since_full"] >= far) for k in keys}
-    policy = ", lowdiff threads SCHED_IDLE" if args.idle_threads else ""
-    policy += ", copy at SCHED_IDLE" if args.idle_copy else ""
     print(f"\nfull-checkpoint cost by thread group, {args.model} GPT, lowdiff TopK(0.01), full_every="
           f"{args.full_every}, full_copy={args.full_copy}, {args.steps} timed steps, torch threads "
-          f"{args.threads}{policy}; state "
-          f"{state_bytes / 2**20:.1f} MiB, one memcpy {copy_ms:.1f} ms")
+          f"{args.threads}; state {state_bytes / 2**20:.1f} MiB, one memcpy {copy_ms:.1f} ms")
     print(f"median ms per iteration; 'baseline' = the iterations {far}..{args.full_every - 1} after a full "
           f"checkpoint, pooled; 'added' = the excess of iterations 0..{far - 1} over it, summed")
-    print(f"{'iteration':<14}" + "".join(f"{h:>12}" for h in heads))
-    for c in classes[:far]:
-        label = "full step" if c == 0 else f"full + {c}"
-        print(f"{label:<14}" + "".join(f"{med[c][k]:>12.1f}" for k in keys))
-    print(f"{'baseline':<14}" + "".join(f"{base[k]:>12.1f}" for k in keys))
-    extra = {k: sum(med[c][k] - base[k] for c in classes[:far]) for k in keys}
-    print(f"{'added (sum)':<14}" + "".join(f"{extra[k]:>+12.1f}" for k in keys))
-    cpu_extra = sum(extra[f"cpu:{g}"] for g in GROUPS) + extra["cpu:ended"] + extra["cpu:machine-other"]
-    names = sorted({n for r in rows for n in r["threads"]})
-    print("\nlowdiff's threads, CPU ms added per full checkpoint (the excess over the baseline, summed):")
-    for name in names:
-        per_class = {c: statistics.median(r["threads"].get(name, 0.0) for r in rows if r["since_full"] == c)
-                     for c in classes}
-        baseline = statistics.median(r["threads"].get(name, 0.0) for r in rows if r["since_full"] >= far)
-        added = sum(per_class[c] - baseline for c in classes[:far])
-        print(f"  {name:<28}{added:>+8.1f}   (baseline {baseline:.1f} per iteration)")
-    print(f"\nwhat one full checkpoint adds to the iterations: wall {extra['wall']:+.1f} ms "
-          f"({extra['wall'] / copy_ms:.1f} copies of the state); CPU of every task on the machine "
-          f"{cpu_extra:+.1f} ms, of which lowdiff's threads {extra['cpu:lowdiff']:+.1f} ms and io_uring "
-          f"{extra['cpu:io_uring']:+.1f} ms")
-    print(f"on {os.cpu_count()} cores with torch using {args.threads} threads, CPU work beside training "
-          f"costs wall time about its CPU time / {min(args.threads, os.cpu_count() or 1)} (no spare core)")
+    summary = []
+    for policy in args.policies:
+        mine = [r for r in rows if r["policy"] == policy]
+        classes = sorted({r["since_full"] for r in mine})
+        med = {c: {k: statistics.median(r[k] for r in mine if r["since_full"] == c) for k in keys} for c in classes}
+        # Baseline: the second half of the cycle, pooled (the persist is long over by then).
+        base = {k: statistics.median(r[k] for r in mine if r["since_full"] >= far) for k in keys}
+        cycles = sum(r["since_full"] == 0 for r in mine)
+        print(f"\n[{policy}] ({cycles} cycles)")
+        print(f"{'iteration':<14}" + "".join(f"{h:>12}" for h in heads))
+        for c in classes[:far]:
+            label = "full step" if c == 0 else f"full + {c}"
+            print(f"{label:<14}" + "".join(f"{med[c][k]:>12.1f}" for k in keys))
+        print(f"{'baseline':<14}" + "".join(f"{base[k]:>12.1f}" for k in keys))
+        extra = {k: sum(med[c][k] - base[k] for c in classes[:far]) for k in keys}
+        print(f"{'added (sum)':<14}" + "".join(f"{extra[k]:>+12.1f}" for k in keys))
+        names = sorted({n for r in mine for n in r["threads"]})
+        print("lowdiff's threads, CPU ms added per full checkpoint (the excess over the baseline, summed):")
+        for name in names:
+            per_class = {c: statistics.median(r["threads"].get(name, 0.0) for r in mine if r["since_full"] == c)
+                         for c in classes}
+            baseline = statistics.median(r["threads"].get(name, 0.0) for r in mine if r["since_full"] >= far)
+            added = sum(per_class[c] - baseline for c in classes[:far])
+            print(f"  {name:<28}{added:>+8.1f}   (baseline {baseline:.1f} per iteration)")
+        summary.append((policy, extra))
+    print("\nwhat one full checkpoint adds to the iterations, per placement (same run, cycles alternating):")
+    for policy, extra in summary:
+        print(f"  {policy:<14} wall {extra['wall']:>+6.1f} ms = {extra['wall'] / copy_ms:>4.1f} copies of the state; "
+              f"lowdiff's threads' CPU {extra['cpu:lowdiff']:>+5.1f} ms; training thread waited for a CPU "
+              f"{extra['wait:training']:>+5.1f} ms, slept {extra['sleep:training']:>+5.1f} ms")
+    print(f"(on {os.cpu_count()} cores with torch using {args.threads} threads every core trains: CPU work "
+          f"beside training costs wall time unless it runs in the cores' idle moments)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the checkpoints go (a fresh directory inside it; default runs/full_cost_threads)")
     p.add_argument("--phases", action="store_true",
                    help="also time the full writer's phases (copy, write, manifest) on its thread")
-    p.add_argument("--idle-threads", action="store_true",
-                   help="run lowdiff's threads at SCHED_IDLE after the warmup (an experiment)")
-    p.add_argument("--idle-copy", action="store_true",
-                   help="run only the full writer's copy at SCHED_IDLE after the warmup (an experiment)")
+    p.add_argument("--policies", default="normal",
+                   help="placements of lowdiff's threads, one per cycle in turn: " + ", ".join(POLICIES))
     args = p.parse_args(argv)
+    args.policies = args.policies.split(",")
+    if not set(args.policies) <= set(POLICIES):
+        p.error(f"--policies: choose from {', '.join(POLICIES)}")
     log(f"training {args.warmup} + {args.steps} steps ...")
     phases = PhaseClock() if args.phases else None
     rows, copy_ms, state_bytes = train(args)
