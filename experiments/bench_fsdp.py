@@ -31,10 +31,11 @@ taken; the row is the median ratio with its quartiles. This is the 2% target's v
 
 A row: the median step time over rounds, its ratio to "none". Bytes: lowdiff's last full checkpoint
 (its shares summed over ranks) and one DCP save, each divided by the state (parameters + AdamW state,
-whole tensors). Time to durable: lowdiff's last full checkpoint (that step's opt.step() time beyond
-the median opt.step() of the other timed steps, plus the flush that waits for its shares to be
-durable) against dcp.save's time (get_state_dict + save), and against async_save's from its call
-until its future is done.
+whole tensors). Time to durable: lowdiff's last full checkpoint (the differentials before it are
+flushed first, untimed; then that step's opt.step() time beyond the median opt.step() of the other
+timed steps, plus the flush that waits for its shares, and its own step's record, to be durable)
+against dcp.save's time (get_state_dict + save), and against async_save's from its call until its
+future is done.
 
 Resume rows (after the training rounds): the last round's lowdiff-dense directory (its newest state
 is the full set of the last step) and a dcp.save of that same state are restored into a fresh FSDP2
@@ -112,6 +113,10 @@ def _rank(rank, world, port, config, args, directory, out):
     times, dcp_bytes, save_s = [], 0, []
     for step in range(args.warmup + args.steps):
         x, y = gpt.batch(cfg, step, seed=rank)
+        if config.startswith("lowdiff") and step == args.warmup + args.steps - 1:
+            # Untimed: the differentials of the steps before are made durable first, so the time
+            # to durable below is the full checkpoint's (and its own step's record), not a backlog's.
+            opt.flush()
         dist.barrier()
         started = time.perf_counter()
         model(x, y).backward()
