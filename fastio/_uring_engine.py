@@ -14,9 +14,21 @@ import errno
 import itertools
 import threading
 
-from ._engine import Engine
+from ._engine import URGENT, Engine, Piece, Ticket
 from ._errors import io_error
 from ._uring import Ring
+
+
+class _Registration(Piece):
+    """A control item in the piece queue: (un)register ``buffer`` on the engine's thread, the only
+    thread that uses the ring."""
+
+    __slots__ = ("buffer", "accepted")
+
+    def __init__(self, buffer) -> None:
+        super().__init__("register", -1, None, 0, "", Ticket(1, 0))
+        self.buffer = buffer
+        self.accepted = False
 
 
 class UringEngine(Engine):
@@ -30,6 +42,17 @@ class UringEngine(Engine):
         self._depth = min(config.queue_depth, self._ring.sq_entries)
         self._thread = threading.Thread(target=self._run, name="fastio-uring", daemon=True)
         self._thread.start()
+
+    def register_buffer(self, buffer) -> bool:
+        if self._closed:
+            return False
+        item = _Registration(buffer)
+        self._queue.put_many(URGENT, [item])
+        try:
+            item.ticket.wait()
+        except OSError:
+            return False   # the ring failed: the requests themselves report it
+        return item.accepted
 
     def _run(self) -> None:
         inflight: dict[int, object] = {}  # user_data -> Piece
@@ -46,18 +69,55 @@ class UringEngine(Engine):
                             if not inflight:
                                 return  # queue closed and drained: the only way out
                             break  # nothing more queued right now: go wait for completions
+                    if isinstance(piece, _Registration):
+                        self._settle(ids, inflight, backlog)
+                        self._register(piece)
+                        continue
                     if not self._start(next(ids), piece, inflight):
                         backlog.appendleft(piece)
                         break
                 if not inflight:
                     continue
-                self._ring.submit_and_wait(1)
-                for user_data, res in self._ring.reap():
-                    self._complete(user_data, inflight.pop(user_data), res, inflight, backlog)
+                self._wait_some(inflight, backlog)
         except BaseException as exc:  # the ring failed: no ticket may be left waiting
             self._fail_all(exc, inflight, backlog)
         finally:
-            self._ring.close()
+            self._ring.close()   # (drops the registration: the kernel lets the pages go)
+            self.registered = None
+
+    def _wait_some(self, inflight: dict, backlog) -> None:
+        self._ring.submit_and_wait(1)
+        for user_data, res in self._ring.reap():
+            self._complete(user_data, inflight.pop(user_data), res, inflight, backlog)
+
+    def _settle(self, ids, inflight: dict, backlog) -> None:
+        """Finish every request in flight, and the remainders they resubmit, before the
+        registration changes: a request must not outlive the registered memory it may use."""
+        while inflight or backlog:
+            while backlog and len(inflight) < self._depth:
+                piece = backlog.popleft()
+                if not self._start(next(ids), piece, inflight):
+                    backlog.appendleft(piece)
+                    break
+            if inflight:
+                self._wait_some(inflight, backlog)
+
+    def _register(self, item: _Registration) -> None:
+        try:
+            if item.buffer is None:
+                if self.registered is not None:
+                    self._ring.unregister_buffers()
+                self.registered, item.accepted = None, True
+            else:
+                # The ring drops the previous table first; the kernel pins the pages it finds now,
+                # so the memory must stay mapped while registered: the engine keeps its owner.
+                item.accepted = self._ring.register_buffers([(item.buffer.address, item.buffer.capacity_bytes)])
+                self.registered = item.buffer if item.accepted else None
+        except OSError as exc:
+            self.registered = None
+            item.ticket._piece_done(exc)
+            return
+        item.ticket._piece_done()
 
     def _start(self, user_data: int, piece, inflight: dict) -> bool:
         """Prepare the rest of ``piece``; False if the ring is full. Bad buffers fail the piece."""
@@ -120,7 +180,10 @@ class UringEngine(Engine):
         inflight.clear()
         backlog.clear()
         while (piece := self._queue.get()) is not None:
-            piece.ticket._piece_done(error_for(piece))
+            if isinstance(piece, _Registration):
+                piece.ticket._piece_done(OSError(f"io_uring engine failed: {exc!r}"))
+            else:
+                piece.ticket._piece_done(error_for(piece))
 
     def _join(self) -> None:
         self._thread.join()
