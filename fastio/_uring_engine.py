@@ -6,6 +6,11 @@ released, and handles completions: an error completes the piece's ticket with an
 naming the operation, size, offset and path; a short transfer is resubmitted for the remainder;
 a read that returns 0 bytes early raises ``EOFError``. The piece objects held while in flight
 keep their buffers alive.
+
+``register_buffer`` hands the thread a buffer to register for fixed I/O (the kernel pins its
+pages once; requests inside it skip the per-request pinning): the thread first finishes what is
+in flight, then registers it (in slices of at most 1 GiB) and keeps the buffer alive until it is
+replaced, dropped, or the engine closes.
 """
 from __future__ import annotations
 
@@ -17,6 +22,10 @@ import threading
 from ._engine import URGENT, Engine, Piece, Ticket
 from ._errors import io_error
 from ._uring import Ring
+
+# The kernel registers at most 1 GiB per iovec: a larger buffer (a GPU model's staging) goes as
+# several slices; a request that crosses a slice boundary is written the ordinary way.
+FIXED_SLICE_BYTES = 1 << 30
 
 
 class _Registration(Piece):
@@ -111,7 +120,10 @@ class UringEngine(Engine):
             else:
                 # The ring drops the previous table first; the kernel pins the pages it finds now,
                 # so the memory must stay mapped while registered: the engine keeps its owner.
-                item.accepted = self._ring.register_buffers([(item.buffer.address, item.buffer.capacity_bytes)])
+                address, nbytes = item.buffer.address, item.buffer.capacity_bytes
+                item.accepted = self._ring.register_buffers(
+                    [(address + start, min(FIXED_SLICE_BYTES, nbytes - start))
+                     for start in range(0, nbytes, FIXED_SLICE_BYTES)])
                 self.registered = item.buffer if item.accepted else None
         except OSError as exc:
             self.registered = None
