@@ -380,7 +380,7 @@ def _in_force(row: dict, spent: dict | None) -> tuple[str, float]:
     most of its steps (and their share of the steps)."""
     if spent and spent.get("settings"):
         counts = spent["settings"]
-        label = max(counts, key=counts.get)
+        label = max(counts, key=lambda k: counts[k])
         return label, counts[label] / sum(counts.values())
     return row["last_in_force"], math.nan
 

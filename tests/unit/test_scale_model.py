@@ -142,7 +142,7 @@ def test_stratified_lives_are_exponential_quantiles():
     # One life in each eighth of the exponential's distribution.
     strata = sorted(int(8 * -math.expm1(-x / 30.0)) for x in lives)
     assert strata == list(range(8))
-    means = [np.mean(lifelog.stratified_lives(np.random.default_rng(s), 30.0, 240.0)) for s in range(400)]
+    means = [np.mean(lifelog.stratified_lives(np.random.default_rng(s), 30.0, 240.0)) for s in range(4000)]
     assert np.mean(means) == pytest.approx(30.0, rel=0.02)
 
 
@@ -161,9 +161,9 @@ def write_timeline(path, lives):
 def test_timeline_summary_is_what_the_run_spent(tmp_path):
     path = tmp_path / "t.timeline"
     write_timeline(path, [
-        (0.0, 10.0, (0.0, 0.0, 0), [(3.5, "10/1"), (4.0, "10/1"), (4.5, "10/1")]),   # fresh: nothing loaded
+        (0.0, 10.0, (3.0, 0.0, 0.0, 0), [(3.5, "10/1"), (4.0, "10/1"), (4.5, "10/1")]),   # fresh: nothing loaded
         (10.0, 12.0, None, []),                                                       # killed before resume
-        (12.0, 30.0, (0.2, 0.3, 6), [(16.5, "10/1"), (17.0, "10/1"), (17.5, "20/1")]),
+        (12.0, 30.0, (15.5, 0.2, 0.3, 6), [(16.5, "10/1"), (17.0, "10/1"), (17.5, "20/1")]),
     ])
     spent = lifelog.summarize(lifelog.read(str(path)))
     assert spent["lives"] == 3 and spent["wall_s"] == pytest.approx(30.0) and spent["short_lives"] == 1
