@@ -124,15 +124,13 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
     step_s = base_s + costs.stall_s / full_every                     # a step, fulls amortised
     persist_s = costs.shared_persist_s(batch_steps)                  # slowed by the batch writes
     rate = limits.failure_rate_per_s
-    # Every session starts with a base full checkpoint and counts its intervals from there, so the
-    # newest full checkpoint at a failure is on average E[X mod F*step_s] old (X: the time since
-    # the session started, exponential), not F/2 steps: less when failures come often.
-    full_age_s = full_every * step_s * _mean_remainder(rate * full_every * step_s)
     if batch_steps is not None:
         write_s = costs.batch_write_s(batch_steps)
         chunk_s, latency_s = batch_steps * step_s, write_s       # a batch is durable write_s after it ends
         lost_steps = batch_steps / 2 + write_s / step_s
-        replay_steps = max(0.0, (full_age_s + persist_s) / step_s - lost_steps)
+        # (A session's base checkpoint makes the chain shorter than F/2 when sessions are short;
+        # left out: on the safe side, and it keeps the waste unimodal in F, docs/controller.md.)
+        replay_steps = max(0.0, full_every / 2 + persist_s / step_s - lost_steps)
         worst_recovery_s = costs.load_s + costs.replay_s * (full_every + persist_s / base_s)
     else:
         write_s = 0.0
@@ -179,11 +177,6 @@ def _lost_share(rate: float, before_s: float, chunk_s: float) -> float:
     # 1 - h(x), without the cancellation of 1 - x / expm1(x) for small x.
     not_h = x / 2 - x * x / 12 if x < 1e-4 else 1.0 - x / math.expm1(min(x, 700.0))
     return not_h + (1.0 - not_h) * -math.expm1(-rate * before_s)
-
-
-def _mean_remainder(x: float) -> float:
-    """E[X mod a] / a for X exponential with mean a / x: 1/x - 1/expm1(x) (1/2 for rare failures)."""
-    return 0.5 - x / 12 if x < 1e-4 else 1.0 / x - 1.0 / math.expm1(min(x, 700.0))
 
 
 def _full_every_bounds(costs: Costs, limits: Limits, batch_steps: int | None,

@@ -174,7 +174,7 @@ def test_waste_is_exact_for_poisson_failures_when_they_come_often(full_every, ba
     """Failures every 20 s against a 3 s restart and a 10 s full interval (the real SIGKILL runs of
     experiments/tune_frequency.py): a session cut short loses what it ran, not a whole failure's
     cost. The first-order model (lost share = rate x cost of a failure) understated the goodput
-    there by 12% (full-only) and 2.5% (differentials); the model now matches the simulation."""
+    there by 12% (full-only) and 2.6% (differentials); the model now matches the simulation."""
     c = costs(step_s=0.5, stall_s=0.05, persist_s=0.5, replay_s=0.0, load_s=0.1, restart_s=3.0,
               batch_fixed_s=0.04, diff_bytes_per_step=2e7, write_bytes_per_s=1e9)
     rate = 1 / 20
