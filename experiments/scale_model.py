@@ -266,10 +266,10 @@ def assess(cluster: Cluster, measured: Measured, strategy: Strategy, limits: Lim
     full_every, batch_steps = choose(cluster, costs, limits, strategy)
     e, charged, wait_s = settle(cluster, costs, limits, full_every, batch_steps)
     lost_share = 1.0 - (1.0 - e.waste) / (1.0 - e.overhead)
-    # The parts of one failure, from the model itself: without replay, and without restart/load.
-    no_replay = evaluate(dataclasses.replace(charged, replay_s=0.0), limits, full_every, batch_steps)
-    replay_s = e.per_failure_s - no_replay.per_failure_s
-    recovery_s = charged.restart_s + charged.load_s + replay_s + charged.stall_s
+    # The parts of one failure, from the model itself: the time its session spends restarting,
+    # loading, replaying and taking its base checkpoint (cut short when the next failure comes
+    # first), and the work it loses.
+    recovery_s = e.recovery_s
     lost_s = e.per_failure_s - recovery_s
     failures = lost_share * DAY_S / e.per_failure_s if e.per_failure_s > 0 else 0.0
     step_wall_s = charged.step_s / (1.0 - e.overhead)            # a step with fulls amortised

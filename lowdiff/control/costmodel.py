@@ -107,6 +107,9 @@ class Evaluation:
     per_failure_s: float     # expected time one failure costs (restart, recovery, lost work, base full)
     worst_recovery_s: float  # load + replay of the longest chain resume may have to replay
     violated: tuple[str, ...] = ()
+    # Of per_failure_s, the time a session spends restarting, loading, replaying and taking its
+    # base checkpoint before the next failure cuts it (the rest is work lost).
+    recovery_s: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -158,7 +161,9 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
         violated.append("memory")
     if limits.max_recovery_s is not None and worst_recovery_s > limits.max_recovery_s:
         violated.append("recovery")
-    return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated))
+    recovery_s = -math.expm1(-rate * before_s) / rate      # E[min(session, before_s)]
+    return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated),
+                      recovery_s)
 
 
 def _lost_share(rate: float, before_s: float, chunk_s: float) -> float:

@@ -108,6 +108,19 @@ def test_a_day_adds_up():
         assert out.failures_per_day == pytest.approx(12, rel=0.01)
 
 
+def test_a_failure_splits_into_recovery_and_lost_work():
+    """A session cut short by the next failure spends less than a whole restart: recovery per
+    failure is E[min(session, restart + load + replay + base)], and the work lost is never negative
+    (with recovery charged whole, the exact model's smaller cost of a failure left it below 0)."""
+    c = cluster(job_mtbf_s=0.5 * HOUR, restart_s=600.0)
+    for s in sm.STRATEGIES:
+        out = sm.assess(c, sm.Measured(), s)
+        assert out.lost_h >= 0, s.name
+        restart_h = out.failures_per_day * c.restart_s / HOUR
+        # rate x restart = 1/3: a session gets through its restart (1 - e^(-1/3)) / (1/3) = 0.85 of it.
+        assert out.recovery_h == pytest.approx(0.85 * restart_h, rel=0.02), s.name
+
+
 def test_more_failures_or_less_bandwidth_never_help():
     base = cluster()
     for s in sm.STRATEGIES:
