@@ -95,8 +95,10 @@ def summarize(lives: list[Life]) -> dict:
     before_s: the mean time from a trainer's start to the end of its first step, less one steady
       step: restart (fork, imports, model build, wrap), load, replay, the base checkpoint and the
       first step's warm-up; over the lives that finished a step;
-    load_s / replay_s / replayed: resume's load and replay times and the records it replayed,
-      over all lives (the first life of a fresh directory loads nothing);
+    load_s: resume's load time, mean over the lives that resumed (a life killed before it is not
+      a load of 0 s; the first life of a fresh directory loads nothing, as the model's first
+      failure's restart would);
+    replay_s / replayed: resume's replay time and the records it replayed, in total;
     settings: the settings in force at each step, counted."""
     if not lives or any(math.isnan(life.end) for life in lives):
         raise ValueError("a life without its end: the run was interrupted")
@@ -114,6 +116,6 @@ def summarize(lives: list[Life]) -> dict:
             "before_s": float(np.mean(before)) if before else math.nan,
             "before_minus_resume_s": float(np.mean([b - life.load_s - life.replay_s
                                                      for b, life in zip(before, started)])) if before else math.nan,
-            "load_s": sum(life.load_s for life in lives) / len(lives),
+            "load_s": float(np.mean([life.load_s for life in lives if life.resumed] or [0.0])),
             "replay_s": sum(life.replay_s for life in lives), "replayed": sum(life.replayed for life in lives),
             "short_lives": len(lives) - len(started), "settings": counts}

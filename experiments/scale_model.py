@@ -367,8 +367,8 @@ VALIDATION_INPUTS = (
     ("restart", "per life, from the driver starting the trainer to the end of its first step, less one "
                 "steady step, resume's load and replay and the base checkpoint's stall (fork, imports, model "
                 "build, wrap, the first step's warm-up): mean over the lives that finished a step"),
-    ("load, replay", "resume's load time, mean over all lives (the first loads nothing); replay: resume's "
-                     "replay time per record replayed in the run"),
+    ("load, replay", "resume's load time, mean over the lives that resumed (the first loads nothing); "
+                     "replay: resume's replay time per record replayed in the run"),
     ("S, c, P, batch write", "CONTROLLER.json of the setting's directory (medians of the last 63 samples of "
                              "the run)"),
     ("goodput measured", "durable steps at the end (the manifest) / the timeline's wall time"),

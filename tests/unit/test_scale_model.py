@@ -183,7 +183,7 @@ def test_timeline_summary_is_what_the_run_spent(tmp_path):
     assert spent["step_s"] == pytest.approx(0.5) and spent["steps_run"] == 6
     assert spent["before_s"] == pytest.approx((3.0 + 4.0) / 2)
     assert spent["before_minus_resume_s"] == pytest.approx((3.0 + 3.5) / 2)
-    assert spent["load_s"] == pytest.approx(0.2 / 3) and spent["replayed"] == 6
+    assert spent["load_s"] == pytest.approx(0.2 / 2) and spent["replayed"] == 6   # of the lives that resumed
     assert spent["settings"] == {"10/1": 5, "20/1": 1}
 
 
