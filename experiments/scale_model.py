@@ -511,9 +511,11 @@ def print_validation(rows: list[dict]) -> None:
           "* not judged: no durable step, or settings changed for over a tenth of the steps. step s: mean step "
           "in the run; before s: start of a life to the end of its first step, less one step; rate*D: the "
           "failure rate times the first-order cost of a failure (small: the first-order regime); waste: the "
-          "model's share of the time lost. The model takes failures as a Poisson process (the lives' lengths "
-          "are exponential) and a session's losses as they are in a long run: the batch and interval "
-          "boundaries are where they would be, counted from the session's base checkpoint)")
+          "model's share of the time lost. Assumed: failures a Poisson process (the lives' lengths are "
+          "exponential), exact; batches and full intervals counted from each session's base checkpoint, "
+          "at their nominal lengths; the replay half an interval plus the persist. Not charged: a kill "
+          "lands in a long step more often than in a short one, and a kill cuts the long restarts first "
+          "(the restart is the mean over the lives that finished a step): both make the model a little high)")
 
 
 # ------------------------------------------------------------------ tables, sweeps, main
