@@ -214,6 +214,15 @@ class S3Client:
         return self.retrying(f"reading {name} from", lambda: self._s3.get_object(
             Bucket=self.url.bucket, Key=self.url.key(name))["Body"].read())
 
+    def get_range(self, name: str, offset: int, nbytes: int) -> bytes:
+        """Bytes ``offset .. offset + nbytes`` of the object ``name`` (a ranged GET): a file's
+        index read without its records (lowdiff.tiers.fetch.ObjectRanges)."""
+        if nbytes <= 0:
+            return b""
+        wanted = f"bytes={offset}-{offset + nbytes - 1}"
+        return self.retrying(f"reading {name} from", lambda: self._s3.get_object(
+            Bucket=self.url.bucket, Key=self.url.key(name), Range=wanted)["Body"].read())
+
     def listing(self) -> dict:
         """{name: size} of the objects directly under the prefix."""
         found: dict = {}

@@ -24,7 +24,7 @@ from lowdiff.format.payloadread import apart, placeable, read_payload
 from lowdiff.format.records import dtype_from_name
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
 from lowdiff.format.sharefile import read_full_share_index, read_own
-from recovery.partitioned.plan import FullSet
+from recovery.partitioned.plan import LOCAL, FullSet, LocalFiles
 from recovery.plan import warn
 
 
@@ -48,15 +48,28 @@ class _Loaded:
     path: str
 
 
-def _read_indexes(fset: FullSet, problems: dict) -> dict:
-    """Every share's index, checked to be of one set (a share that is not: ``problems``)."""
+def _read_indexes(fset: FullSet, problems: dict, files: LocalFiles = LOCAL, reads: list | None = None,
+                  world: int = 1) -> dict:
+    """Every share's index, checked to be of one set (a share that is not: ``problems``). Where
+    ranks hold only the files they read (``files.remote``), each reads the indexes of its
+    ``reads`` and the ranks exchange them (a collective), so no rank fetches another's share for
+    its index; the same problems then stop every rank."""
     indexes = {}
-    for i, path in enumerate(fset.files):
+    remote = files.remote and world > 1
+    for i in (reads if remote and reads is not None else range(fset.count)):
+        path = fset.files[i]
         try:
-            with fastio.Reader(path) as reader:
+            with fastio.Reader(files.ready(path)) as reader:
                 indexes[i] = read_full_share_index(path, reader)
         except (CheckpointError, OSError, EOFError) as exc:
             problems[i] = f"{path} does not verify ({exc})"
+    if remote:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (indexes, problems))
+        for found, failed in gathered:
+            indexes = {**found, **indexes}
+            for share, why in failed.items():
+                problems.setdefault(share, why)
     if problems:
         return indexes
     first = indexes[0]
@@ -67,10 +80,10 @@ def _read_indexes(fset: FullSet, problems: dict) -> dict:
     return indexes
 
 
-def _read_own_part(path: str, index, problems: dict, share: int):
+def _read_own_part(path: str, index, problems: dict, share: int, files: LocalFiles = LOCAL):
     """This rank's own per-rank part (tensors and state skeleton), or None (then ``problems``)."""
     try:
-        with fastio.Reader(path) as reader:
+        with fastio.Reader(files.ready(path)) as reader:
             return read_own(path, reader, index)
     except (CheckpointError, OSError, EOFError) as exc:
         problems[share] = f"{path} does not verify ({exc})"
@@ -183,7 +196,15 @@ def _give_up(fset: FullSet, problems: dict) -> None:
         warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; falling back to an older set")
 
 
-def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: int | None = None) -> _Loaded | None:
+def reads_of(fset: FullSet, rank: int, world: int, as_share: int | None = None) -> list:
+    """The shares whose files this rank reads itself, its own first: its own (or the one whose
+    per-rank state it takes) and share i for every i = rank mod ``world``."""
+    own = as_share if as_share is not None else rank if rank < fset.count else 0
+    return [own] + [i for i in range(rank, fset.count, world) if i != own]
+
+
+def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: int | None = None,
+             files: LocalFiles = LOCAL) -> _Loaded | None:
     """The set's state on this rank, or None (every rank alike) when a share does not verify.
     ``as_share`` (one process, no process group: a sharded ``export``): share ``as_share``'s own
     state instead of rank 0's, its DTensor chunks as the plain tensors they were written as.
@@ -193,11 +214,12 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     ``fullckpt.live_targets``). The shared tensors those hold are then read and exchanged straight
     into them; the rest into one staging buffer. A share that fails its checksums after that
     leaves part of its bytes in those tensors: the older set that resume falls back to overwrites
-    them, as a plain directory's does."""
+    them, as a plain directory's does. ``files``: how the set's files are reached (they may arrive
+    as they are asked for: recovery.partitioned.bucket)."""
     own = as_share if as_share is not None else rank if rank < fset.count else 0
     problems: dict = {}
-    indexes = _read_indexes(fset, problems)
-    own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own)
+    indexes = _read_indexes(fset, problems, files, reads_of(fset, rank, world, as_share), world)
+    own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own, files)
     outline = None
     if own_part is not None:
         try:
@@ -218,7 +240,7 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     staging = fastio.aligned_buffer(max(first.shared_bytes, PAGE))
     for i in range(rank, fset.count, world):
         try:
-            _read_share_payload(fset.files[i], indexes[i], layout, placed, staging)
+            _read_share_payload(files.ready(fset.files[i]), indexes[i], layout, placed, staging)
         except (CheckpointError, OSError, EOFError) as exc:
             problems[i] = f"{fset.files[i]} does not verify ({exc})"
     problems = _agree_problems(problems, world)
@@ -232,7 +254,7 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     if indexes[own].dtensors and as_share is None and (world != fset.count or not dtensors.meshes_of(live.values())):
         for i in range(fset.count):
             try:
-                _read_chunks(fset, indexes, i, chunks)
+                _read_chunks(fset, indexes, i, chunks, files)
             except (CheckpointError, OSError, EOFError) as exc:
                 problems[i] = f"{fset.files[i]} does not verify ({exc})"
         problems = _agree_problems(problems, world)
@@ -279,12 +301,12 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: 
     return rebuild
 
 
-def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict) -> None:
+def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict, files: LocalFiles = LOCAL) -> None:
     """Read share ``share``'s DTensor chunks into ``read[share]`` (once), checksums checked."""
     if share in read:
         return
     path, index = fset.files[share], indexes[share]
-    with fastio.Reader(path) as reader:
+    with fastio.Reader(files.ready(path)) as reader:
         own, _ = read_own(path, reader, index)
     read[share] = {k: (index.dtensors[k], torch.frombuffer(data, dtype=dtype_from_name(e.dtype, path))
                        if e.nbytes else torch.empty(0, dtype=dtype_from_name(e.dtype, path)))
