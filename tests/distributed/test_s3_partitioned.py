@@ -155,6 +155,30 @@ def test_a_partitioned_resume_from_the_bucket_streams_what_each_rank_reads(s3, t
     for rank in range(2):
         assert not whole_gets(at_first_step[0], f"stream/rank-{rank:05d}/{chains[rank][-1]}"), at_first_step[0]
         assert len(whole_gets(s3.proxy.seen, f"stream/rank-{rank:05d}/{chains[rank][-1]}")) == 1
+    check_durable_step(s3, url, "stream")
+
+
+def check_durable_step(ns, url: str, prefix: str) -> None:
+    """``opt.shared_durable_step`` of a rank of a partitioned bucket (durable_in_bucket, what its
+    BucketStore reports) is the step the newest complete set reaches by every rank's newest commit,
+    not what this rank's share reaches: once rank 1's prefix commits nothing, no set is complete and
+    nothing can be resumed from the bucket, which rank 0's share alone does not show. (Issue #26.)"""
+    import types
+
+    from lowdiff.tiers.bucket import read_bucket
+    from lowdiff.tiers.bucketranks import durable_in_bucket
+    from lowdiff.tiers.objectstore import ObjectStore, S3Client, parse_s3_url
+
+    own = read_bucket(S3Client(parse_s3_url(f"{url}/rank-00000"), ObjectStore()))
+    session = own.manifest.fulls[-1].session
+    for partition in (types.SimpleNamespace(rank=0, world=2, session=session),      # the run's own session
+                      types.SimpleNamespace(rank=0, world=1, session="another")):   # a later one's (counts by index)
+        assert durable_in_bucket(partition, url, None)(own.manifest) == STEPS
+    for key in listing(ns.client, ns.bucket, f"{prefix}/rank-00001/"):
+        if "/MANIFEST-" in key:
+            ns.client.delete_object(Bucket=ns.bucket, Key=key)
+    assert own.manifest.durable_step() == STEPS          # this rank's share alone (what was reported before)
+    assert durable_in_bucket(types.SimpleNamespace(rank=0, world=2, session=session), url, None)(own.manifest) == -1
 
 
 def test_the_prefixes_of_dropped_ranks_go_once_the_smaller_run_has_a_complete_set(s3, tmp_path):  # noqa: F811
@@ -184,28 +208,3 @@ def test_the_prefixes_of_dropped_ranks_go_once_the_smaller_run_has_a_complete_se
     assert (int(resumed), resumed.tier) == (STEPS + 4, "shared")
     assert partition_worker.shared_digest(model, opt) == digests(tmp_path / "one-0.txt")[2][STEPS + 4][1]
 
-
-def test_the_durable_step_of_a_partitioned_bucket_is_its_newest_complete_set(s3, tmp_path):  # noqa: F811
-    """Issue #26: ``opt.shared_durable_step`` of a rank of a partitioned bucket (lowdiff.tiers.bucketranks.
-    durable_in_bucket, what its BucketStore reports) is the step the newest complete set reaches by
-    every rank's newest commit, not what this rank's share reaches: once rank 1's prefix commits
-    nothing, no set is complete and nothing can be resumed from the bucket."""
-    import types
-
-    from lowdiff.tiers.bucket import read_bucket
-    from lowdiff.tiers.bucketranks import durable_in_bucket
-    from lowdiff.tiers.objectstore import ObjectStore, S3Client, parse_s3_url
-
-    url = f"s3://{s3.bucket}/durable"
-    (run,) = wait(start_ranks(tmp_path / "node{rank}", url, tmp_path / "run", 2), timeout=240)
-    ok(run)
-    own = read_bucket(S3Client(parse_s3_url(f"{url}/rank-00000"), ObjectStore()))
-    session = own.manifest.fulls[-1].session
-    for partition in (types.SimpleNamespace(rank=0, world=2, session=session),      # the run's own session
-                      types.SimpleNamespace(rank=0, world=1, session="another")):   # a later one's (counts by index)
-        assert durable_in_bucket(partition, url, None)(own.manifest) == STEPS
-    for key in listing(s3.client, s3.bucket, "durable/rank-00001/"):
-        if "/MANIFEST-" in key:
-            s3.client.delete_object(Bucket=s3.bucket, Key=key)
-    assert own.manifest.durable_step() == STEPS          # this rank's share alone (what was reported before)
-    assert durable_in_bucket(types.SimpleNamespace(rank=0, world=2, session=session), url, None)(own.manifest) == -1
