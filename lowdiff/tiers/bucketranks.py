@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from lowdiff.distributed.partition import durable_step, full_sets
 from lowdiff.errors import CheckpointError
-from lowdiff.format.container import BucketManifest
+from lowdiff.format.sharefile import read_full_share_index
 from lowdiff.store.manifest import Manifest
 from lowdiff.store.rankdirs import RANK_DIR_RE, rank_directory
 from lowdiff.tiers.bucket import MANIFEST_RE, read_bucket, stage
@@ -82,40 +83,37 @@ def durable_in_bucket(partition, url: str, options: ObjectStore | None):
     by the newest commits of every ``rank-NNNNN`` prefix (``own``: this rank's manifest), read at
     each call. A set of this session has ``partition.world`` shares; another session's count is
     read once from a share's index by ranged GETs (a set whose count cannot be read is left out)."""
-    from lowdiff.distributed.partition import durable_step, full_sets
-    from lowdiff.format.sharefile import read_full_share_index
-
     options = options or ObjectStore()
     root = S3Client(parse_s3_url(url), options)
     clients: dict = {}
     counts: dict = {}
 
-    def count(rank: int, committed: BucketManifest, entry) -> int | None:
+    def client(rank: int) -> S3Client:
+        if rank not in clients:
+            clients[rank] = S3Client(parse_s3_url(rank_url(url, rank)), options)
+        return clients[rank]
+
+    def count(rank: int, entry) -> None:
+        """Read the share count of ``entry``'s set (an object the size its entry says: a copy)."""
         if (entry.step, entry.session) not in counts:
-            reader = _Ranges(clients[rank], entry.file, committed.objects.get(entry.file, (0, 0))[0])
             try:
-                counts[(entry.step, entry.session)] = read_full_share_index(f"{clients[rank].url}/{entry.file}",
-                                                                            reader).count
+                counts[(entry.step, entry.session)] = read_full_share_index(
+                    f"{client(rank).url}/{entry.file}", _Ranges(client(rank), entry.file, entry.nbytes)).count
             except (CheckpointError, OSError, EOFError):
-                return None
-        return counts[(entry.step, entry.session)]
+                pass   # (left out, read again at the next call)
 
     def durable(own: Manifest) -> int:
         manifests: dict = {partition.rank: own}
         for name in root.children("rank-"):
             m = RANK_DIR_RE.match(name)
-            rank = int(m.group(1)) if m else partition.rank
-            if rank == partition.rank:
-                continue
-            if rank not in clients:
-                clients[rank] = S3Client(parse_s3_url(rank_url(url, rank)), options)
-            committed = read_bucket(clients[rank])
-            if committed is None:
-                continue
-            manifests[rank] = committed.manifest
-            for entry in committed.manifest.fulls:
+            if m is not None and int(m.group(1)) != partition.rank:
+                committed = read_bucket(client(int(m.group(1))))
+                if committed is not None:
+                    manifests[int(m.group(1))] = committed.manifest
+        for rank, manifest in manifests.items():
+            for entry in manifest.fulls:
                 if entry.session != partition.session:
-                    count(rank, committed, entry)
+                    count(rank, entry)
         known = {**counts, **{(f.step, f.session): partition.world for m in manifests.values() for f in m.fulls
                               if f.session == partition.session}}
         manifests = {rank: dataclasses.replace(m, fulls=[f for f in m.fulls if (f.step, f.session) in known])

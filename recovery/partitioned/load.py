@@ -263,14 +263,14 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
             return None
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
-    rebuild = _chunk_rebuilder(fset, rank, live, indexes, chunks) if as_share is None else \
+    rebuild = _chunk_rebuilder(fset, rank, live, indexes, chunks, files) if as_share is None else \
         (lambda key, local, entry: local)   # the share's own chunks, as written: nothing to cut
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
                       rebuild)
     return _Loaded(indexes[own], state, fset.files[own])
 
 
-def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: dict):
+def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: dict, files: LocalFiles = LOCAL):
     """How a DTensor chunk read back becomes the DTensor on the live mesh: this rank's own chunk at
     the world size and mesh it was written with; else (resharding) this rank's chunk on the live
     mesh, cut from the recorded chunks of every share that overlap it (docs/format.md, "Sharded
@@ -295,7 +295,7 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: 
         # Another world size or mesh, or no sharded model at all (export, an unsharded model): this
         # rank's new chunk, or the whole tensor, cut from every share's recorded chunk.
         dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
-        pieces = [_recorded_chunk(fset, indexes, share, key, read) for share in range(fset.count)]
+        pieces = [_recorded_chunk(fset, indexes, share, key, read, files) for share in range(fset.count)]
         whole = dtensors.assemble(target, local.dtype, pieces)
         return whole if target is None else dtensors.rewrap(whole, target)
     return rebuild
@@ -313,9 +313,10 @@ def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict, files: Lo
                    for k, (e, data) in own.items() if k in index.dtensors}
 
 
-def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict) -> tuple:
+def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict,
+                    files: LocalFiles = LOCAL) -> tuple:
     """(chunk entry, tensor) of ``key`` in share ``share``, its checksum checked."""
-    _read_chunks(fset, indexes, share, read)
+    _read_chunks(fset, indexes, share, read, files)
     if key not in read[share]:
         raise CorruptCheckpointError(fset.files[share], f"share {share} holds no chunk of {key!r}")
     return read[share][key]
