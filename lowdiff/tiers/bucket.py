@@ -282,12 +282,12 @@ def remove_prefix(url: str, options: ObjectStore | None) -> None:
     listing = client.listing()
     for seq in sorted(int(m.group(1)) for name in listing if (m := MANIFEST_RE.match(name))):
         client.delete([manifest_name(seq)])
-        faults.point("dropped-clean")
+        faults.point("dropped-prefix")
     for key, upload_id in client.uploads():
         client.abort(key, upload_id)
     for name in sorted(name for name in listing if _ours(name) and not MANIFEST_RE.match(name)):
         client.delete([name])
-        faults.point("dropped-clean")
+        faults.point("dropped-prefix")
     others = sorted(name for name in listing if not _ours(name))
     if others:
         log.warning("lowdiff: %s, the prefix of a rank this run dropped, holds objects lowdiff did not write (%s); "

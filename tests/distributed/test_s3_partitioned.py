@@ -181,11 +181,13 @@ def check_durable_step(ns, url: str, prefix: str) -> None:
     assert durable_in_bucket(types.SimpleNamespace(rank=0, world=2, session=session), url, None)(own.manifest) == -1
 
 
-def test_the_prefixes_of_dropped_ranks_go_once_the_smaller_run_has_a_complete_set(s3, tmp_path):  # noqa: F811
+def test_the_prefixes_of_dropped_ranks_go_once_the_smaller_run_has_a_complete_set(s3, tmp_path,  # noqa: F811
+                                                                                   monkeypatch):
     """Issue #26: 2 ranks, then 1 (on the same local directory: its rank-00001 is a dropped rank's).
     The prefix rank-00001 stays while the smaller run has no complete set of its own (it may hold
-    the only copy of a share of the newest one), and is gone from the bucket once it has; the
-    bucket alone then resumes the smaller run's state exactly."""
+    the only copy of a share of the newest one), and is gone from the bucket once it has, also when
+    the first removal was SIGKILLed half-way (its commits went first: nothing committed is left
+    naming what is gone); the bucket alone then resumes the smaller run's state exactly."""
     url = f"s3://{s3.bucket}/shrink"
     (run,) = wait(start_ranks(tmp_path / "local", url, tmp_path / "run", 2), timeout=240)
     ok(run)
@@ -194,6 +196,13 @@ def test_the_prefixes_of_dropped_ranks_go_once_the_smaller_run_has_a_complete_se
     ok(idle)
     assert digests(tmp_path / "idle-0.txt")[0] == STEPS
     assert any("/MANIFEST-" in key for key in listing(s3.client, s3.bucket, "shrink/rank-00001/"))   # not yet
+    monkeypatch.setenv("LOWDIFF_FAULT", "dropped-prefix:1")     # after its first deletion: its commit
+    (killed,) = wait(start_ranks(tmp_path / "local", url, tmp_path / "killed", 1, "--steps", str(STEPS + 4)),
+                     timeout=240)
+    assert killed[0][0] == -9, killed
+    left = listing(s3.client, s3.bucket, "shrink/rank-00001/")
+    assert left and not any("/MANIFEST-" in key for key in left), left
+    monkeypatch.delenv("LOWDIFF_FAULT")
     (one,) = wait(start_ranks(tmp_path / "local", url, tmp_path / "one", 1, "--steps", str(STEPS + 4)), timeout=240)
     ok(one)
     assert listing(s3.client, s3.bucket, "shrink/rank-00001/") == {}
