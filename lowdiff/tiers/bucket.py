@@ -253,8 +253,8 @@ class BucketStore:
         newest commit lists its share; never before: the dropped prefixes' shares may be the only
         copy of the newest complete set) and this prefix's commit lists no set of an earlier
         session (those are the sets that need the dropped shares: retention drops them once a set
-        of this session is complete, as ``complete_in_bucket`` counts them incomplete; a policy
-        that keeps them, ``KeepAll``, keeps the dropped prefixes too)."""
+        of this session is complete, as ``complete_in_bucket`` counts them incomplete, but only at
+        its next commit; while this prefix lists one, the dropped prefixes stay)."""
         if not self._dropped or self._complete is None:
             return
         with self._mutex:

@@ -2,7 +2,8 @@
 objects a reader says it will need, in that order, a few ahead of the one it waits for, each
 checked against the size and CRC-32C its commit names (lowdiff.tiers.bucket.download). A resume
 asks for the full checkpoint and its chain, waits for the full checkpoint, and starts replaying
-while the chain's later batch files are still being fetched.
+while the chain's later batch files are still being fetched. ``ObjectRanges`` reads parts of one
+object (a file's index, when its records are fetched later) by ranged GETs.
 """
 from __future__ import annotations
 
