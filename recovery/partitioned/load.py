@@ -247,12 +247,15 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     if problems:
         _give_up(fset, problems)
         return None
-    # Resharding (another world size, or no sharded model: export) cuts each chunk from every
-    # share's recorded chunks: read and check them all now, so that a damaged one makes every rank
-    # fall back to an older set instead of failing half-way through the rebuild.
+    # Resharding (another world size, or no sharded model: export) cuts each chunk from the recorded
+    # chunks that overlap it: read and check those now, so that a damaged one makes every rank fall
+    # back to an older set instead of failing half-way through the rebuild.
     chunks: dict = {}   # share -> {key: (chunk entry, tensor)}
     if indexes[own].dtensors and as_share is None and (world != fset.count or not dtensors.meshes_of(live.values())):
+        live_of = _live_lookup(indexes[own], live)
         for i in range(fset.count):
+            if not any(_overlaps(entry, live_of(key)) for key, entry in indexes[i].dtensors.items()):
+                continue   # none of its chunks is part of what this rank rebuilds: not read (not fetched)
             try:
                 _read_chunks(fset, indexes, i, chunks, files)
             except (CheckpointError, OSError, EOFError) as exc:
@@ -277,14 +280,7 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: 
     state"), for optimizers that work element by element only."""
     meshes = dtensors.meshes_of(live.values())
     own = rank if rank < fset.count else 0
-    slot_keys = {slot: f"/model/{key}" for key, slot in indexes[own].param_aliases.items()}
-
-    def live_of(key: str):
-        target = live.get(key)
-        if target is None and key.startswith("/optimizer/state/"):
-            slot = key.split("/")[3]
-            target = live.get(slot_keys.get(int(slot), "")) if slot.isdigit() else None
-        return target if dtensors.is_dtensor(target) else None
+    live_of = _live_lookup(indexes[own], live)
 
     def rebuild(key, local, entry):
         target = live_of(key)
@@ -295,10 +291,36 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: 
         # Another world size or mesh, or no sharded model at all (export, an unsharded model): this
         # rank's new chunk, or the whole tensor, cut from every share's recorded chunk.
         dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
-        pieces = [_recorded_chunk(fset, indexes, share, key, read, files) for share in range(fset.count)]
+        pieces = [_recorded_chunk(fset, indexes, share, key, read, files) for share in range(fset.count)
+                  if _overlaps(indexes[share].dtensors.get(key), target)]
         whole = dtensors.assemble(target, local.dtype, pieces)
         return whole if target is None else dtensors.rewrap(whole, target)
     return rebuild
+
+
+def _live_lookup(index, live: dict):
+    """``live_of(key)``: the live DTensor a recorded tensor ``key`` is rebuilt into (an optimizer
+    state's by its parameter's slot), or None (no DTensor: the whole tensor is rebuilt)."""
+    slot_keys = {slot: f"/model/{key}" for key, slot in index.param_aliases.items()}
+
+    def live_of(key: str):
+        target = live.get(key)
+        if target is None and key.startswith("/optimizer/state/"):
+            slot = key.split("/")[3]
+            target = live.get(slot_keys.get(int(slot), "")) if slot.isdigit() else None
+        return target if dtensors.is_dtensor(target) else None
+    return live_of
+
+
+def _overlaps(entry: dict | None, target) -> bool:
+    """Whether the recorded chunk ``entry`` holds part of what is rebuilt into ``target`` (its
+    live chunk; None: the whole tensor). An unknown chunk (None) counts as overlapping: it is read,
+    and its absence is then the error."""
+    if entry is None or target is None:
+        return True
+    _, _, _, shape, offsets = dtensors.live_chunk(target)
+    return all(max(lo, o) < min(lo + n, o + m)
+               for lo, n, o, m in zip(offsets, shape, entry["offsets"], entry["shape"]))
 
 
 def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict, files: LocalFiles = LOCAL) -> None:
