@@ -155,6 +155,14 @@ def test_a_partitioned_resume_from_the_bucket_streams_what_each_rank_reads(s3, t
     for rank in range(2):
         assert not whole_gets(at_first_step[0], f"stream/rank-{rank:05d}/{chains[rank][-1]}"), at_first_step[0]
         assert len(whole_gets(s3.proxy.seen, f"stream/rank-{rank:05d}/{chains[rank][-1]}")) == 1
+    # A store that stops answering for one rank's object fails the resume on both ranks, naming it
+    # (after the restore: the ranks stay in step, none waits for the other forever).
+    s3.proxy.fail("drop", 10_000, f"/stream/rank-00001/{chains[1][-1]}")
+    (failed,) = wait(start_ranks(tmp_path / "other{rank}", url, tmp_path / "failed", 2, "--resume-only",
+                                 "--full-every", "100", "--deadline-s", "1"), timeout=240)
+    s3.proxy.rules.clear()
+    for code, err in failed:
+        assert code not in (0, -9) and "cannot be read now" in err and chains[1][-1] in err, (code, err[-2000:])
     # Time travel from the bucket: the chain planned by the files' indexes, replayed to step 5 only.
     torch.manual_seed(0)
     model = partition_worker.Net(unused=False)

@@ -18,6 +18,7 @@ from partition_worker import build, compressor, shared_digest
 import lowdiff
 import recovery
 from lowdiff.cli.demo import state_digest
+from lowdiff.tiers import ObjectStore
 from lowdiff.tiers.policy import KeepAll, KeepLast, Tiers
 
 
@@ -50,6 +51,7 @@ def main():
     p.add_argument("--resume-only", action="store_true")
     p.add_argument("--full-every", type=int, default=4)
     p.add_argument("--mark-replay", action="store_true")
+    p.add_argument("--deadline-s", type=float, help="ObjectStore(deadline_s=this)")
     args = p.parse_args()
     # partition_worker's build() reads these; this worker does not vary them
     args.unused, args.bucket_view, args.static_graph, args.tied = False, False, False, False
@@ -62,7 +64,9 @@ def main():
         mark_first_step(opt, args.rank)
     opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor("topk"), full_every=args.full_every, batch_steps=2,
                        scheduler=sched, extra_state={"sampler": sampler},
-                       tiers=Tiers(args.shared_dir, shared=args.shared_policy))
+                       tiers=Tiers(args.shared_dir, shared=args.shared_policy,
+                                   object_store=None if args.deadline_s is None else
+                                   ObjectStore(deadline_s=args.deadline_s)))
     start = recovery.resume(args.dir, ddp, opt)
     data = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(8))
