@@ -9,9 +9,11 @@ is "resumed STEP DIGEST" (what load() restored). With --crash-at K every rank SI
 step K's save() (as torchrun kills a job), without flushing.
 
 CPU shims (torchtitan 0.3.0 assumes an accelerator): torch._utils._get_available_device_type says
-"cpu" (torchtitan takes "cuda" when it returns None, and torch.cuda.set_device fails on a CPU build),
-and the metrics' device-memory monitor, which reads torch.cuda memory statistics, is a stub. The
-model's FlexAttention runs eagerly (torchtitan compiles it with inductor, minutes on this CPU).
+"cpu" (torchtitan takes "cuda" when it returns None, and torch.cuda.set_device fails on a CPU build);
+the metrics' device-memory monitor, which reads torch.cuda memory statistics, is a stub; the
+process-group timeouts are left as they are (torchtitan's barrier passes a device index that
+torch.cpu does not have). The model's FlexAttention and its block mask run eagerly (torchtitan
+compiles them with inductor, minutes on this CPU).
 """
 import argparse
 import hashlib
@@ -27,9 +29,10 @@ import torch._utils
 torch._utils._get_available_device_type = lambda: "cpu"
 
 import torch.distributed as dist  # noqa: E402
-from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 from torchtitan.components import metrics  # noqa: E402
-from torchtitan.models.common.attention import FlexAttention  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.models.common import attention  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 
 from lowdiff.integrations.torchtitan import LowDiffCheckpointManager  # noqa: E402
@@ -48,7 +51,11 @@ class CpuMemoryMonitor:
 
 
 metrics.build_device_memory_monitor = CpuMemoryMonitor
-FlexAttention._compiled_flex_attn = flex_attention
+attention.FlexAttention._compiled_flex_attn = flex_attention
+attention._compiled_create_block_mask = create_block_mask
+# After the first step torchtitan shortens the process groups' timeouts behind a barrier with
+# device_ids=[device_module.current_device()], which is "cpu" here (a device index is expected).
+dist_utils.set_pg_timeouts = lambda **_: None
 
 
 def local(t):
