@@ -105,8 +105,10 @@ class LowDiffCheckpointManager(BaseCheckpointManager):
                              f"({', '.join(type(o).__name__ for o in inner)}) from the param_groups of "
                              f"Trainer.Config.optimizer: give every group the same optimizer_name")
         self.directory = os.path.join(base_folder, config.folder)
-        self.load_step = config.load_step
-        extra: dict[str, Any] = {LR_SCHEDULER: lr_schedulers, **states}
+        # Each LambdaLR torchtitan built, by itself: lowdiff sees that the optimizer's scheduler is
+        # checkpointed (LRSchedulersContainer keeps only the first one's last_epoch).
+        extra: dict[str, Any] = {f"{LR_SCHEDULER}.{i}": s for i, s in enumerate(lr_schedulers.schedulers)}
+        extra.update(states)
         if dataloader is not None:
             extra[DATALOADER] = dataloader
         compressor = lowdiff.Dense() if config.compressor == "dense" else lowdiff.TopK(ratio=config.topk_ratio)

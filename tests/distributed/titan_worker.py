@@ -10,10 +10,12 @@ step K's save() (as torchrun kills a job), without flushing.
 
 CPU shims (torchtitan 0.3.0 assumes an accelerator): torch._utils._get_available_device_type says
 "cpu" (torchtitan takes "cuda" when it returns None, and torch.cuda.set_device fails on a CPU build);
-the metrics' device-memory monitor, which reads torch.cuda memory statistics, is a stub; the
+FSDP2 reduces gradients with a plain sum (gloo has no
+PREMUL_SUM); the metrics' device-memory monitor, which reads torch.cuda memory statistics, is a stub; the
 process-group timeouts are left as they are (torchtitan's barrier passes a device index that
-torch.cpu does not have). The model's FlexAttention and its block mask run eagerly (torchtitan
-compiles them with inductor, minutes on this CPU).
+torch.cpu does not have). The model's attention is torchtitan's ScaledDotProductAttention (causal)
+instead of its FlexAttention (block-causal per document), which has no backward on CPU
+("FlexAttention does not support backward on CPU").
 """
 import argparse
 import hashlib
@@ -29,10 +31,10 @@ import torch._utils
 torch._utils._get_available_device_type = lambda: "cpu"
 
 import torch.distributed as dist  # noqa: E402
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torchtitan.components import metrics  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
-from torchtitan.models.common import attention  # noqa: E402
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 
 from lowdiff.integrations.torchtitan import LowDiffCheckpointManager  # noqa: E402
@@ -51,8 +53,6 @@ class CpuMemoryMonitor:
 
 
 metrics.build_device_memory_monitor = CpuMemoryMonitor
-attention.FlexAttention._compiled_flex_attn = flex_attention
-attention._compiled_create_block_mask = create_block_mask
 # After the first step torchtitan shortens the process groups' timeouts behind a barrier with
 # device_ids=[device_module.current_device()], which is "cpu" here (a device index is expected).
 dist_utils.set_pg_timeouts = lambda **_: None
@@ -90,6 +90,8 @@ def digest(trainer) -> str:
 
 def build(args):
     config = llama3_debugmodel()
+    for _, _, parent, field in list(config.model_spec.model.traverse(FlexAttention.Config)):
+        setattr(parent, field, ScaledDotProductAttention.Config())
     config.hf_assets_path = args.tokenizer
     config.dump_folder = args.dir
     config.dataloader.dataset_path = args.data
@@ -100,6 +102,9 @@ def build(args):
     config.training.disable_cuda_graphs = True
     config.optimizer.implementation = "for-loop"        # "fused" is torchtitan's CUDA default
     config.activation_checkpoint = None
+    # torchtitan's default, "spmd_types", hands fully_shard plain parameters with dp_mesh_dims, which
+    # torch 2.13's FSDP2 refuses ("all parameters must be DTensors on the full SPMD mesh")
+    config.parallelism.spmd_backend = "partial_dtensor"
     config.validator.enable = False
     config.metrics.log_freq = 1000
     config.comm.trace_buf_size = 0
@@ -124,7 +129,14 @@ def main():
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
     os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world),
                       LOCAL_WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    random.seed(100 + args.rank)   # torchtitan seeds torch only; Python's RNG (which lowdiff restores) too
     trainer = build(args)
+    # torchtitan sums gradients over ranks without FSDP's division (gradient_divide_factor 1.0, its
+    # loss is already divided by the global token count); FSDP2 does that with
+    # ReduceOp.PREMUL_SUM(1.0), which gloo lacks, or with a plain SUM when told to.
+    for module in trainer.model_parts[0].modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
     manager = trainer.checkpointer
     out = open(args.digests, "a")
     load, save = manager._load, manager._save
