@@ -107,3 +107,19 @@ def test_torchtitan_trainer_resumes_exactly_after_sigkill(tmp_path, assets, comp
         for s, value in got.items():
             assert value == reference[rank][1][s], (rank, s)
     assert len(resumed_at) == 1
+
+
+@pytest.mark.parametrize("setting,words", [
+    ({"initial_load_path": "/runs/dcp/step-100"}, "initial_load_path='/runs/dcp/step-100') is not supported"),
+    ({"last_save_in_hf": True}, "last_save_in_hf=True) is not supported"),
+    ({"load_only": True}, "load_only=True) is not supported"),
+    ({"exclude_from_loading": ["dataloader"]}, "exclude_from_loading=['dataloader']) is not supported"),
+    ({"compressor": "zstd"}, "compressor='zstd'"),
+    ({"full_every": 0}, "full_every=0) must be >= 1"),
+])
+def test_settings_lowdiff_does_not_carry_out_are_refused_by_name(setting, words):
+    from lowdiff.integrations.torchtitan import LowDiffCheckpointManager
+
+    with pytest.raises(ValueError) as refused:
+        LowDiffCheckpointManager.Config(**setting)
+    assert words in str(refused.value)
