@@ -106,7 +106,7 @@ def _titan(model, args, directory):
     schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers,
                                                       training_steps=args.warmup + args.steps)
     manager = CheckpointManager.Config(enable=True, folder="titan", interval=args.dcp_every, keep_latest_k=0,
-                                       last_save_model_only=False).build(
+                                       last_save_model_only=False, initial_load_model_only=False).build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": _TrainState()}, sd_adapter=None, base_folder=directory)
     return manager, optimizers, schedulers
