@@ -57,5 +57,7 @@ setup(
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "ruff>=0.17,<0.18", "mypy>=2.4,<2.5",
                              "moto[server]>=5.1", "boto3>=1.36", "matplotlib"],
                     "s3": ["boto3>=1.36"],
-                    "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2", "torchdata>=0.8"]},
+                    "integrations": ["transformers>=4.40", "accelerate>=0.26", "lightning>=2.2", "torchdata>=0.8"],
+                    # torchtitan's models import triton even on a CPU-only torch (its expert-parallel kernels)
+                    "titan": ["torchtitan==0.3.0", "triton"]},
 )

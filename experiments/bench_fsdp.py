@@ -14,6 +14,9 @@ the root, AdamW. Per configuration and round, --steps timed steps after --warmup
   dcp-save       dcp.save of get_state_dict(model, optimizer) every --dcp-every steps (synchronous)
   dcp-async      dcp.async_save of the same every --dcp-every steps (on a gloo process group of its own,
                  as DCP advises; the step pays its staging copy, the write overlaps the next steps)
+  titan-dcp      torchtitan's own checkpointing (its CheckpointManager, synchronous DCP, every --dcp-every
+                 steps, with its OptimizersContainer and LR schedulers around the same AdamW), called as
+                 its Trainer calls it after each step; only where torchtitan is installed
 
 Paired overhead (before the rounds; this machine drifts by more than the 2% to resolve between
 rounds): one launch of 2 ranks holds four FSDP2 models at once and advances them one step each,
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import shutil
 import socket
@@ -72,6 +76,8 @@ import gpt  # noqa: E402
 import lowdiff  # noqa: E402
 
 CONFIGS = ("none", "lowdiff-dense", "lowdiff-topk", "dcp-save", "dcp-async")
+if importlib.util.find_spec("torchtitan") is not None:   # a baseline where installed (pip install 'lowdiff[titan]')
+    CONFIGS += ("titan-dcp",)
 PAIRED = ("none", "topk-base", "lowdiff-dense", "lowdiff-topk")
 PAIRED_BASELINE = {"lowdiff-dense": "none", "lowdiff-topk": "topk-base", "topk-base": "none"}
 TOPK_RATIO = 0.01
@@ -93,6 +99,37 @@ def _fsdp2(args):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4)
 
 
+class _TrainState:
+    """What torchtitan's Trainer hands its checkpointer as "train_state" (its step counter)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def _titan(model, args, directory):
+    """torchtitan's CheckpointManager (synchronous DCP every --dcp-every steps) and the optimizer
+    container it saves: AdamW with the settings of _fsdp2's, built as torchtitan's Trainer builds it."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    config = default_adamw(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    config.implementation = "for-loop"    # torch's choice for CPU tensors, as in _fsdp2
+    optimizers = config.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers,
+                                                      training_steps=args.warmup + args.steps)
+    manager = CheckpointManager.Config(enable=True, folder="titan", interval=args.dcp_every, keep_latest_k=0,
+                                       last_save_model_only=False, initial_load_model_only=False).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": _TrainState()}, sd_adapter=None, base_folder=directory)
+    return manager, optimizers, schedulers
+
+
 def _rank(rank, world, port, config, args, directory, out):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -105,6 +142,9 @@ def _rank(rank, world, port, config, args, directory, out):
     pending: list = []   # (started, future) of async saves
     step_calls: list = []   # the time of each opt.step() call
     finished: dict = {}
+    titan = None
+    if config == "titan-dcp":
+        titan, opt, schedulers = _titan(model, args, directory)
     if config.startswith("lowdiff"):
         compressor = lowdiff.Dense() if config == "lowdiff-dense" else lowdiff.TopK(ratio=0.01)
         opt = lowdiff.wrap(opt, model, directory, compressor=compressor, full_every=args.warmup + args.steps,
@@ -124,6 +164,11 @@ def _rank(rank, world, port, config, args, directory, out):
         opt.step()
         step_calls.append(time.perf_counter() - stepping)
         opt.zero_grad()
+        if titan is not None:   # as torchtitan's Trainer: scheduler step, then save (it decides when)
+            schedulers.step()
+            saving = time.perf_counter()
+            if titan.save(step + 1):
+                save_s.append(time.perf_counter() - saving)
         if config == "dcp-save" and (step + 1) % args.dcp_every == 0:
             saving = time.perf_counter()
             msd, osd = get_state_dict(model, opt)
@@ -152,19 +197,22 @@ def _rank(rank, world, port, config, args, directory, out):
         save_s.append(step_calls[-1] - statistics.median(step_calls[args.warmup:-1]) +
                       time.perf_counter() - flushing)
     state_bytes = 0
-    plain = opt.optimizer if hasattr(opt, "optimizer") else opt
+    plain = opt.optimizer if hasattr(opt, "optimizer") else opt.optimizers[0] if hasattr(opt, "optimizers") else opt
     for p in model.parameters():
         state_bytes += p.numel() * p.element_size()
         state_bytes += sum(v.numel() * v.element_size() for v in plain.state[p].values() if isinstance(v, torch.Tensor))
     if config.startswith("lowdiff"):
         opt.close()
+    if titan is not None:
+        titan.close()
     if config == "lowdiff-dense" and args.keep:   # the same state for the resume rows' dcp.load
         msd, osd = get_state_dict(model, plain)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory + "-dcp")
     dist.barrier()
     if rank == 0:
-        if config in ("dcp-save", "dcp-async"):
-            dcp_bytes = _tree_bytes(os.path.join(directory, f"step-{args.dcp_every}"))
+        if config in ("dcp-save", "dcp-async", "titan-dcp"):
+            dcp_bytes = _tree_bytes(os.path.join(directory, "titan" if titan is not None else "",
+                                                 f"step-{args.dcp_every}"))
         full_bytes = 0
         if config.startswith("lowdiff"):
             fulls = {}
@@ -345,7 +393,7 @@ def main():
         p.error(f"--dcp-every {args.dcp_every} > --warmup + --steps: no DCP save would be timed")
     root = args.dir or tempfile.mkdtemp(prefix="bench_fsdp-")
     results: dict = {c: [] for c in CONFIGS}
-    state_bytes = full_bytes = dcp_bytes = 0
+    state_bytes = full_bytes = dcp_bytes = titan_bytes = 0
     durable: dict = {c: [] for c in CONFIGS}
     kept = os.path.join(root, "kept")
     paired = paired_overhead(args, root) if args.paired_steps > 0 else {}
@@ -357,7 +405,10 @@ def main():
             results[config].append(step_s)
             durable[config].append(save)
             full_bytes = full or full_bytes
-            dcp_bytes = dcp_b or dcp_bytes
+            if config == "titan-dcp":
+                titan_bytes = dcp_b or titan_bytes
+            else:
+                dcp_bytes = dcp_b or dcp_bytes
             shutil.rmtree(directory, ignore_errors=True)
     restored: dict = {1: [], 2: []}
     for round_ in range(args.rounds):
@@ -415,6 +466,13 @@ def main():
           f"{overhead}; bytes {ratio:.3f}x (target <= {TARGET_BYTES}): "
           f"{'met' if ratio <= TARGET_BYTES else 'not met'}; durable full checkpoint {full_vs_dcp:.2f}x DCP save "
           f"(target <= 0.5): {'met' if full_vs_dcp <= 0.5 else 'not met'}")
+    if "titan-dcp" in CONFIGS:
+        full_vs_titan = statistics.median(durable["lowdiff-dense"]) / statistics.median(durable["titan-dcp"])
+        print(f"verdict: durable full checkpoint {full_vs_titan:.2f}x torchtitan's DCP checkpoint save (target "
+              f"<= 0.5): {'met' if full_vs_titan <= 0.5 else 'not met'}; its bytes "
+              f"{titan_bytes / state_bytes:.3f}x the state")
+    else:
+        print("torchtitan is not installed: no titan-dcp row (pip install 'lowdiff[titan]')")
     full_vs_async = statistics.median(durable["lowdiff-dense"]) / statistics.median(durable["dcp-async"])
     print(f"verdict: durable full checkpoint {full_vs_async:.2f}x DCP async_save (to its future done; target "
           f"<= 0.5): {'met' if full_vs_async <= 0.5 else 'not met'}; resume at the same world size "

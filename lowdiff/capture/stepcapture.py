@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from lowdiff.capture.betweensteps import changed_rng_sources
 from lowdiff.capture.devicecopy import DeviceCopy
 from lowdiff.distributed.ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
 from lowdiff.distributed.dtensors import local_chunk
@@ -147,9 +148,17 @@ class StepCapture:
         return StepRecord(step, skipped, grads or [], objects, ready)
 
     def capture_boundary(self) -> dict:
-        """Copies of the small state at an iteration boundary: RNG states, extra_state, buffers."""
-        return {"rng": capture.capture_rng(), "extra": capture.state_dicts(self.extra_state),
-                "buffers": capture.module_buffers(self.model, self._buffer_names)}
+        """Copies of the small state at an iteration boundary: RNG states, extra_state, buffers.
+        The RNG is left as captured: a ``state_dict()`` that draws from it (torchdata's
+        StatefulDataLoader makes its iterator there, drawing the iterator's base seed from the
+        global torch RNG) is lowdiff's reading, not the training's work. Left in place, that
+        draw would happen at wrap in the uninterrupted run but after the restore in a resumed
+        one, and the two runs' RNGs would part."""
+        rng = capture.capture_rng()
+        extra = capture.state_dicts(self.extra_state)
+        if changed_rng_sources(rng):
+            capture.restore_rng(rng)
+        return {"rng": rng, "extra": extra, "buffers": capture.module_buffers(self.model, self._buffer_names)}
 
     # ------------------------------------------------------------ full checkpoints
     def capture_base_boundary(self) -> None:

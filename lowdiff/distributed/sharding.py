@@ -15,8 +15,9 @@ Refused (each check names the first offender it finds, in this order):
   layout FSDP owns;
 - a DTensor parameter with a placement other than ``Shard``/``Replicate`` (``Partial`` holds a
   summand, not a value);
-- an FSDP2 module whose ``MixedPrecisionPolicy`` or ``OffloadPolicy`` is not the default: the
-  optimizer then steps a copy (offload) or a gradient cast on the way, which is not tested here;
+- an FSDP2 module whose ``MixedPrecisionPolicy`` casts its parameters or gradients (one that names
+  the parameters' own dtype casts nothing and is accepted), or whose ``OffloadPolicy`` is not the
+  default: the optimizer then steps a copy (offload) or a gradient cast on the way, not tested here;
 - DTensor parameters outside ``fully_shard`` (tensor parallelism), or on a mesh of more than one
   dimension other than HSDP's (FSDP2 + tensor parallelism; a mesh of more than two dimensions): not
   supported yet. FSDP2 on a 1-D mesh and HSDP (``fully_shard(..., mesh=<2-D mesh>)``, placements
@@ -138,13 +139,27 @@ def _refuse_fsdp2_policies(model: torch.nn.Module) -> None:
         state = module._get_fsdp_state()
         where = f"module {name!r}" if name else "the model"
         policy = getattr(state, "_mp_policy", None)
-        if policy is not None and policy != MixedPrecisionPolicy():
+        group = getattr(state, "_fsdp_param_group", None)
+        if policy is not None and policy != MixedPrecisionPolicy() and _casts(policy, group):
             raise ValueError(f"{where} is fully_shard()ed with {policy!r}: lowdiff does not record under FSDP2 "
                              f"mixed-precision policies (the gradient is cast between backward and the optimizer); "
                              f"use fully_shard(..., mp_policy=MixedPrecisionPolicy()) (the default)")
-        group = getattr(state, "_fsdp_param_group", None)
         offload = getattr(group, "offload_policy", None)
         if offload is not None and type(offload) is not OffloadPolicy:
             raise ValueError(f"{where} is fully_shard()ed with {offload!r}: the optimizer then steps offloaded "
                              f"copies, which lowdiff does not record; use the default OffloadPolicy()")
 
+
+
+def _casts(policy, group) -> bool:
+    """Whether ``policy`` casts a parameter or gradient of the module's FSDP param group. A policy
+    naming the parameters' own dtype (torchtitan installs ``MixedPrecisionPolicy(param_dtype=float32,
+    reduce_dtype=float32)`` on float32 models) computes and reduces in that dtype, as the default
+    does: the optimizer consumes the same gradient (FSDP2 itself drops such a cast)."""
+    for fsdp_param in getattr(group, "fsdp_params", ()):
+        dtype = fsdp_param.sharded_param.dtype
+        if not dtype.is_floating_point:
+            continue
+        if policy.param_dtype not in (None, dtype) or policy.reduce_dtype not in (None, dtype):
+            return True
+    return False

@@ -1,6 +1,6 @@
 """Integrations with training frameworks (optional dependencies, imported only from these modules):
 ``lowdiff.integrations.hf`` (Hugging Face Trainer), ``lowdiff.integrations.lightning`` (PyTorch
-Lightning)."""
+Lightning), ``lowdiff.integrations.torchtitan`` (torchtitan's Trainer)."""
 from __future__ import annotations
 
 import dataclasses

@@ -87,6 +87,25 @@ def case_fsdp2_default_policies():   # what the refusals' messages tell the user
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 
+def case_fsdp2_own_dtype_policy():   # torchtitan's policy on a float32 model: casts nothing, accepted
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = mlp()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fully_shard(model[2], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2), model
+
+
+def case_fsdp2_reduce_bf16():   # gradients reduced in bfloat16: cast before the optimizer, refused
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = mlp()
+    fully_shard(model[2], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    fully_shard(model)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2), model
+
+
 def case_fsdp1():
     from torch.distributed.fsdp import FullyShardedDataParallel
 

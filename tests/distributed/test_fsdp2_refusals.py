@@ -35,6 +35,7 @@ REFUSED = {
                                "HSDP", "1-D mesh"]),
     "fsdp2_mixed": ("ValueError", ["module '2'", "MixedPrecisionPolicy(param_dtype=torch.bfloat16",
                                    "mp_policy=MixedPrecisionPolicy()"]),
+    "fsdp2_reduce_bf16": ("ValueError", ["module '2'", "reduce_dtype=torch.bfloat16"]),
     "fsdp2_offload": ("ValueError", ["the model", "CPUOffloadPolicy", "OffloadPolicy()"]),
     "fsdp1": ("TypeError", ["module '2'", "FSDP1 FullyShardedDataParallel", "fully_shard"]),
     "zero": ("TypeError", ["ZeroRedundancyOptimizer", "(SGD)", "DistributedDataParallel"]),
@@ -43,12 +44,15 @@ REFUSED = {
 
 
 def test_refused_at_wrap_with_the_culprit_named(tmp_path):
-    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", "hsdp", "fsdp2_default_policies", *REFUSED])
+    (reports,) = run(tmp_path, 1, ["plain", "fsdp2", "hsdp", "fsdp2_default_policies", "fsdp2_own_dtype_policy",
+                                   *REFUSED])
     assert reports["plain"]["error"] is None   # an unsharded model under torch.distributed still wraps
     assert reports["fsdp2"]["error"] is None   # FSDP2 on a 1-D mesh is recorded (test_fsdp2_resume.py)
     assert reports["hsdp"]["error"] is None    # HSDP on a 2-D mesh too (test_fsdp2_hsdp.py)
     # the policies the refusals tell the user to pass, spelled out, are accepted
     assert reports["fsdp2_default_policies"]["error"] is None, reports["fsdp2_default_policies"]
+    # a policy naming the parameters' own dtype (torchtitan's on float32 models) casts nothing: accepted
+    assert reports["fsdp2_own_dtype_policy"]["error"] is None, reports["fsdp2_own_dtype_policy"]
     for case, (error, words) in REFUSED.items():
         report = reports[case]
         assert report["error"] == error, report
