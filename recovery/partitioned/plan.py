@@ -17,6 +17,7 @@ from lowdiff.distributed.partition import (
     retained_ranges,
     session_chain,
 )
+from lowdiff.errors import CheckpointError, MissingDeviceError
 from recovery.plan import warn
 
 
@@ -100,8 +101,21 @@ def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
 
 
 def broadcast_plan(root: str, stop_step: int | None, world: int) -> Survey:
+    """Rank 0's survey, on every rank. What it raised surveying is raised on every rank (a rank
+    directory's drive not mounted: MissingDeviceError by name), so no rank waits for a plan."""
     if world == 1:
         return plan(root, stop_step)
-    found: list = [plan(root, stop_step) if dist.get_rank() == 0 else None]
+    error: CheckpointError | None = None
+    found: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = [plan(root, stop_step)]
+        except CheckpointError as exc:
+            error, found = exc, [(isinstance(exc, MissingDeviceError), str(exc))]
     dist.broadcast_object_list(found, src=0)
+    if error is not None:
+        raise error
+    if isinstance(found[0], tuple):
+        missing_drive, message = found[0]
+        raise (MissingDeviceError if missing_drive else CheckpointError)(message)
     return found[0]
