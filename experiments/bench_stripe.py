@@ -85,9 +85,11 @@ class Drives:
         self.roots = [d.mount / "ckpt" for d in self.devices if d.mount is not None]
         for r in self.roots:
             r.mkdir()
-        self.kind = f"{count} ext4 loop devices {', '.join(str(d.loop) for d in self.devices)} (images under {image_dir})"
+        loops = ", ".join(str(d.loop) for d in self.devices)
+        self.kind = f"{count} ext4 loop devices {loops} (images under {image_dir})"
         try:
-            self._throttle = Throttle([d.number for d in self.devices], int(mbps * 1e6), f"lowdiff-stripe-{os.getpid()}")
+            self._throttle = Throttle([d.number for d in self.devices], int(mbps * 1e6),
+                                      f"lowdiff-stripe-{os.getpid()}")
             self.throttle = self._throttle.describe
             self.notes += self._throttle.notes
         except OSError as exc:

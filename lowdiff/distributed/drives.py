@@ -42,12 +42,12 @@ def local_ranks(rank: int, world: int) -> tuple[int, int]:
         return 0, 1
     import torch.distributed as dist
 
-    mine = (socket.gethostname(), _env_local())
+    host, env = socket.gethostname(), _env_local()
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
-    if all(env is not None for _, env in gathered):
-        return mine[1]
-    same_host = [r for r, (host, _) in enumerate(gathered) if host == mine[0]]
+    dist.all_gather_object(gathered, (host, env))
+    if env is not None and all(other is not None for _, other in gathered):
+        return env
+    same_host = [r for r, (name, _) in enumerate(gathered) if name == host]
     return same_host.index(rank), len(same_host)
 
 

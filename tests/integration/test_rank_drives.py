@@ -33,7 +33,7 @@ def test_local_ranks_go_to_drives_in_turn_and_readers_follow(tmp_path):
                       os.path.join(disks[1], "rank-00004")]
     assert not os.path.exists(os.path.join(root, "rank-00000"))   # created by its store, as without drives
     assert sorted(os.listdir(os.path.join(root, "rank-00001"))) == ["DRIVE.json"]
-    assert json.loads(open(os.path.join(root, "rank-00001", "DRIVE.json")).read()) == \
+    assert json.loads((tmp_path / "ckpt" / "rank-00001" / "DRIVE.json").read_text()) == \
         {"dir": placed[1], "version": 1}
     os.makedirs(placed[0])
     assert rank_directories(root) == {0: placed[0], 1: placed[1], 2: placed[2], 4: placed[4]}

@@ -33,8 +33,8 @@ from lowdiff.format.sharefile import (
     write_full_share,
 )
 from lowdiff.step.compress import Compressed
-from lowdiff.store.rankdirs import rank_directory
 from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, read_manifest, write_manifest
+from lowdiff.store.rankdirs import rank_directory
 from lowdiff.store.retention import KeepLast
 from lowdiff.tiers.marker import read_marker, read_tiers, write_marker
 from lowdiff.tiers.policy import Tiers
