@@ -101,3 +101,28 @@ def test_a_drive_record_beside_files_of_its_own_is_refused(tmp_path):
     open(os.path.join(root, "rank-00001", "MANIFEST.json"), "w").close()
     with pytest.raises(CorruptCheckpointError, match="one of the two places"):
         rank_directory(root, 1)
+
+
+def test_more_drives_than_ranks_uses_one_drive_per_rank_and_says_so(tmp_path, caplog):
+    """A partitioned directory trained by one process given two drives: its one rank directory
+    stays in the checkpoint directory (local rank 0, drive 0) and a warning names the drive left
+    unused (striping a rank's shares over several drives is not built)."""
+    import torch
+
+    import lowdiff
+    import recovery
+
+    root, nvme1 = tmp_path / "ckpt", tmp_path / "nvme1" / "exp"
+    (root / "rank-00000").mkdir(parents=True)   # a partitioned directory (as a run under torch.distributed left it)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, root, full_every=2, batch_steps=1,
+                       options=lowdiff.Options(stripe_dirs=(str(nvme1),)))
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    assert any("2 drives for 1 ranks" in r.getMessage() and str(nvme1) in r.getMessage() for r in caplog.records)
+    assert any(n.startswith("full-") for n in os.listdir(root / "rank-00000")) and not nvme1.exists()
+    assert int(recovery.resume(root, model, torch.optim.SGD(model.parameters(), lr=0.1))) == 3
