@@ -4,14 +4,17 @@ docs/format.md, "Rank directories on several local drives"), on real gloo proces
 drive; the job SIGKILLed and resumed with 2 ranks, then with 1, lands on the uninterrupted run's
 state byte for byte; retention deletes on both drives, and the 1-rank run removes the dropped rank's
 directory from its drive; a drive missing at resume is refused by name on every rank, without a
-hang, and nothing is deleted or recreated."""
+hang, and nothing is deleted or recreated. verify, inspect and export read the drive's files."""
 import os
 import sys
+
+import torch
 
 from lowdiff.cli.main import main as cli
 from lowdiff.store.manifest import read_manifest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import partition_worker  # noqa: E402
 from partition_runs import STEPS, checkpoint_files, digests, launch, ok  # noqa: E402
 
 
@@ -47,6 +50,14 @@ def test_ranks_on_their_drives_killed_then_resumed_with_2_and_1_ranks(tmp_path, 
     assert f"..{STEPS} from rank-00000/" in out and "ok       rank-00001/full-" in out and "0 do not" in out
     assert cli(["inspect", str(ckpt)]) == 0
     assert f"rank-00001: on {rank1}" in capsys.readouterr().out
+    assert cli(["export", str(ckpt), "-o", str(tmp_path / "out.pt")]) == 0   # rank 1's shares from its drive
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    torch.manual_seed(0)
+    model = partition_worker.Net(unused=False)
+    model.load_state_dict(exported["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(exported["optimizer"])
+    assert exported["step"] == STEPS and partition_worker.shared_digest(model, opt) == ref[0][STEPS][1]
 
     # One rank (the same drives given): rank 1's shares are read from its drive, the state is rank 0's
     # of the uninterrupted run; training on, rank 0 retires the old sets and removes rank 1's directory
