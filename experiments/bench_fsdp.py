@@ -15,12 +15,27 @@ the root, AdamW. Per configuration and round, --steps timed steps after --warmup
   dcp-async      dcp.async_save of the same every --dcp-every steps (on a gloo process group of its own,
                  as DCP advises; the step pays its staging copy, the write overlaps the next steps)
 
+Paired overhead (before the rounds; this machine drifts by more than the 2% to resolve between
+rounds): one launch of 2 ranks holds four FSDP2 models at once and advances them one step each,
+round robin, the order rotated every step, so drift and neighbours' load hit them alike:
+
+  none           no compression, no checkpoints
+  topk-base      TopK(0.01) applied to each local gradient chunk in place by this script (tensors
+                 under lowdiff.TopK's min_numel left dense, as it does), no checkpoints: the
+                 baseline of lowdiff TopK, whose compression a user of TopK pays anyway
+  lowdiff-dense  lowdiff Dense differential every step (full checkpoint only before the timed steps)
+  lowdiff-topk   lowdiff TopK(0.01) differential every step (the same)
+
+Per timed step the ratio of each config's step time to its baseline's in the same rotation is
+taken; the row is the median ratio with its quartiles. This is the 2% target's verdict.
+
 A row: the median step time over rounds, its ratio to "none". Bytes: lowdiff's last full checkpoint
 (its shares summed over ranks) and one DCP save, each divided by the state (parameters + AdamW state,
-whole tensors). Time to durable: lowdiff's last full checkpoint (that step's opt.step() time beyond
-the median opt.step() of the other timed steps, plus the flush that waits for its shares to be
-durable) against dcp.save's time (get_state_dict + save), and against async_save's from its call
-until its future is done.
+whole tensors). Time to durable: lowdiff's last full checkpoint (the differentials before it are
+flushed first, untimed; then that step's opt.step() time beyond the median opt.step() of the other
+timed steps, plus the flush that waits for its shares, and its own step's record, to be durable)
+against dcp.save's time (get_state_dict + save), and against async_save's from its call until its
+future is done.
 
 Resume rows (after the training rounds): the last round's lowdiff-dense directory (its newest state
 is the full set of the last step) and a dcp.save of that same state are restored into a fresh FSDP2
@@ -30,7 +45,7 @@ recovery.resume against get_state_dict + dcp.load + set_state_dict. The two rest
 compared (gathered, byte for byte) every time.
 
 Usage: python experiments/bench_fsdp.py [--model quick] [--steps 20] [--warmup 3] [--rounds 3]
-       [--dcp-every 10] [--dir D] [--csv experiments/results/bench_fsdp.csv]
+       [--dcp-every 10] [--paired-steps 60] [--dir D] [--csv experiments/results/bench_fsdp.csv]
 """
 from __future__ import annotations
 
@@ -57,6 +72,9 @@ import gpt  # noqa: E402
 import lowdiff  # noqa: E402
 
 CONFIGS = ("none", "lowdiff-dense", "lowdiff-topk", "dcp-save", "dcp-async")
+PAIRED = ("none", "topk-base", "lowdiff-dense", "lowdiff-topk")
+PAIRED_BASELINE = {"lowdiff-dense": "none", "lowdiff-topk": "topk-base", "topk-base": "none"}
+TOPK_RATIO = 0.01
 TARGET_OVERHEAD = 0.02
 TARGET_BYTES = 1.05
 
@@ -95,6 +113,10 @@ def _rank(rank, world, port, config, args, directory, out):
     times, dcp_bytes, save_s = [], 0, []
     for step in range(args.warmup + args.steps):
         x, y = gpt.batch(cfg, step, seed=rank)
+        if config.startswith("lowdiff") and step == args.warmup + args.steps - 1:
+            # Untimed: the differentials of the steps before are made durable first, so the time
+            # to durable below is the full checkpoint's (and its own step's record), not a backlog's.
+            opt.flush()
         dist.barrier()
         started = time.perf_counter()
         model(x, y).backward()
@@ -155,6 +177,73 @@ def _rank(rank, world, port, config, args, directory, out):
         out.put((median, state_bytes, full_bytes, dcp_bytes, statistics.median(save_s) if save_s else 0.0))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _topk_local_(model, ratio: float, min_numel: int) -> None:
+    """TopK on each rank's local gradient chunk, in place (the compression lowdiff.TopK records,
+    without recording it): keep the k largest magnitudes, zero the rest; small chunks stay dense."""
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        flat = local.view(-1)
+        if flat.numel() < min_numel:
+            continue
+        picked = flat.abs().topk(max(1, int(ratio * flat.numel())), sorted=False).indices
+        values = flat.index_select(0, picked)
+        flat.zero_()
+        flat.index_copy_(0, picked, values)
+
+
+def _paired_rank(rank, world, port, args, root, out):
+    """Four FSDP2 models in one pair of ranks, advanced one step each in rotating order."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    trainers = {}
+    for config in PAIRED:
+        model, opt = _fsdp2(args)
+        if config.startswith("lowdiff"):
+            compressor = lowdiff.Dense() if config == "lowdiff-dense" else lowdiff.TopK(ratio=TOPK_RATIO)
+            opt = lowdiff.wrap(opt, model, os.path.join(root, config), compressor=compressor,
+                               full_every=10**9, batch_steps=10)
+        trainers[config] = (model, opt)
+    cfg = gpt.PRESETS[args.model]
+    times: dict = {c: [] for c in PAIRED}
+    min_numel = lowdiff.TopK().min_numel
+    for step in range(args.warmup + args.paired_steps):
+        x, y = gpt.batch(cfg, step, seed=rank)
+        order = PAIRED[step % len(PAIRED):] + PAIRED[:step % len(PAIRED)]
+        for config in order:
+            model, opt = trainers[config]
+            dist.barrier()
+            started = time.perf_counter()
+            model(x, y).backward()
+            if config == "topk-base":
+                _topk_local_(model, TOPK_RATIO, min_numel)
+            opt.step()
+            opt.zero_grad()
+            times[config].append(time.perf_counter() - started)
+    for config, (_, opt) in trainers.items():
+        if config.startswith("lowdiff"):
+            opt.close()
+    if rank == 0:
+        out.put({c: t[args.warmup:] for c, t in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def paired_overhead(args, root) -> dict:
+    """{config: (median ratio to its baseline, lower quartile, upper quartile, median step s)}."""
+    times = _spawn(2, _paired_rank, (args, os.path.join(root, "paired")))
+    shutil.rmtree(os.path.join(root, "paired"), ignore_errors=True)
+    result = {}
+    for config in PAIRED:
+        baseline = PAIRED_BASELINE.get(config)
+        ratios = sorted(t / b for t, b in zip(times[config], times[baseline])) if baseline else [1.0]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        result[config] = (statistics.median(ratios), q[0], q[2], statistics.median(times[config]))
+    return result
 
 
 def _gathered_digest(model, opt) -> str:
@@ -247,14 +336,19 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dcp-every", type=int, default=10)
+    p.add_argument("--paired-steps", type=int, default=60, help="timed steps of each model in the paired "
+                   "overhead measurement (0: skip it)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--csv", default=os.path.join(REPO_ROOT, "experiments", "results", "bench_fsdp.csv"))
     args = p.parse_args()
+    if args.dcp_every > args.warmup + args.steps:
+        p.error(f"--dcp-every {args.dcp_every} > --warmup + --steps: no DCP save would be timed")
     root = args.dir or tempfile.mkdtemp(prefix="bench_fsdp-")
     results: dict = {c: [] for c in CONFIGS}
     state_bytes = full_bytes = dcp_bytes = 0
     durable: dict = {c: [] for c in CONFIGS}
     kept = os.path.join(root, "kept")
+    paired = paired_overhead(args, root) if args.paired_steps > 0 else {}
     for round_ in range(args.rounds):
         for config in (CONFIGS if round_ % 2 == 0 else tuple(reversed(CONFIGS))):
             directory = os.path.join(root, f"{config}-{round_}")
@@ -290,14 +384,32 @@ def main():
         rows.append((f"resume-{world}-ranks", ours, ours / theirs, theirs))
         print(f"{'resume':<15}{world:>6}{step:>6}{ours:>11.3f}{theirs:>12.3f}{ours / theirs:>8.2f}  "
               f"{'yes' if same else 'NO'}")
+    if paired:
+        print(f"paired step overhead ({args.paired_steps} steps of each, rotating order; ratio to the baseline "
+              f"in the same rotation, median [quartiles])")
+        print(f"{'config':<15}{'step s':>10}{'baseline':>11}{'ratio':>8}{'quartiles':>18}")
+        for config in PAIRED:
+            ratio_, low, high, step_s = paired[config]
+            baseline = PAIRED_BASELINE.get(config, "-")
+            print(f"{config:<15}{step_s:>10.4f}{baseline:>11}{ratio_:>8.3f}{f'[{low:.3f}, {high:.3f}]':>18}")
     ratio = full_bytes / state_bytes
     print(f"state {state_bytes / 2**20:.1f} MiB (whole tensors); lowdiff full checkpoint {full_bytes / 2**20:.1f} MiB "
           f"= {ratio:.3f}x; DCP save {dcp_bytes / 2**20:.1f} MiB = {dcp_bytes / state_bytes:.3f}x")
-    dense = statistics.median(results["lowdiff-dense"]) / base - 1
-    # How much "none" itself moves between rounds: an overhead smaller than that is not resolved.
-    noise = (max(results["none"]) - min(results["none"])) / base if len(results["none"]) > 1 else float("inf")
-    overhead = (f"not resolved: 'none' itself varies by {noise:.1%} across rounds"
-                if noise > TARGET_OVERHEAD else "met" if dense <= TARGET_OVERHEAD else "not met")
+    if paired:
+        # The paired measurement judges: each step against its baseline's in the same rotation.
+        verdicts = []
+        for config in ("lowdiff-dense", "lowdiff-topk"):
+            over = paired[config][0] - 1
+            verdicts.append(f"{config} {over:+.1%} over {PAIRED_BASELINE[config]} "
+                            f"({'met' if over <= TARGET_OVERHEAD else 'not met'})")
+        dense = paired["lowdiff-dense"][0] - 1
+        overhead = "paired: " + "; ".join(verdicts)
+    else:
+        dense = statistics.median(results["lowdiff-dense"]) / base - 1
+        # How much "none" itself moves between rounds: an overhead smaller than that is not resolved.
+        noise = (max(results["none"]) - min(results["none"])) / base if len(results["none"]) > 1 else float("inf")
+        overhead = (f"not resolved: 'none' itself varies by {noise:.1%} across rounds"
+                    if noise > TARGET_OVERHEAD else "met" if dense <= TARGET_OVERHEAD else "not met")
     full_vs_dcp = statistics.median(durable["lowdiff-dense"]) / statistics.median(durable["dcp-save"])
     print(f"verdict: differential every step (Dense) overhead {dense:+.1%} (target <= {TARGET_OVERHEAD:.0%}): "
           f"{overhead}; bytes {ratio:.3f}x (target <= {TARGET_BYTES}): "
@@ -313,6 +425,11 @@ def main():
         w = csv.writer(f)
         w.writerow(["config", "step_s", "ratio_to_none", "durable_s"])   # resume rows: s, ratio to dcp.load, dcp s
         w.writerows(rows)
+    if paired:
+        with open(args.csv.removesuffix(".csv") + "_paired.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["config", "baseline", "median_step_s", "ratio", "ratio_q1", "ratio_q3"])
+            w.writerows((c, PAIRED_BASELINE.get(c, ""), paired[c][3], *paired[c][:3]) for c in PAIRED)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

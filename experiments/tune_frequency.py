@@ -13,10 +13,12 @@ settings and the published full-checkpoint policies?
    controller keeping differentials, of every point of a grid of fixed (F, B) and (F, no
    differentials), of Young/Daly and of CheckFreq on full checkpoints only. The same failure times
    for every policy of a profile. One device: a full persist shares it with the batch writes.
-3. real: train in a child process, SIGKILL it at exponentially distributed times (short MTBF),
-   restart with resume; goodput (durable steps per wall-clock second) of "auto" and of fixed
-   settings (with and without differentials) under the same failure times. "auto" keeps its
-   measurements across restarts (CONTROLLER.json).
+3. real: train in a child process, SIGKILL it at exponentially distributed times (short MTBF;
+   the lives drawn stratified, experiments/lifelog.py), restart with resume; each life's events
+   (start, resume, step ends, kill) kept in a timeline for the scale model's validation; goodput
+   (durable steps per wall-clock second) of "auto" and of fixed settings (with and without
+   differentials) under the same failure times. "auto" keeps its measurements across restarts
+   (CONTROLLER.json).
 
 Prints fixed-width tables, writes CSVs to --out, and plots when matplotlib is installed.
 ``--quick`` finishes in under five minutes. Slow storage is the measured fast storage with every
@@ -44,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402
+import lifelog  # noqa: E402
 
 import lowdiff  # noqa: E402
 import recovery  # noqa: E402
@@ -343,9 +346,10 @@ def print_simulation(rows: list[dict]) -> bool:
 
 # ------------------------------------------------------------------ 3. real run
 def child(directory: str, settings: str, rate_per_hour: float, steps: int, model_name: str, quiet: bool,
-          log_path: str) -> None:
+          log_path: str, timeline: str) -> None:
     """The trainer the driver kills: resume, train to ``steps``, print each step (unless ``quiet``);
-    the controller's decisions (logger "lowdiff") are appended to ``log_path``."""
+    the controller's decisions (logger "lowdiff") are appended to ``log_path``, its resume and the
+    end of each step (with the settings in force) to ``timeline`` (experiments/lifelog.py)."""
     if quiet:   # a forked child shares the driver's stdout
         sys.stdout = open(os.devnull, "w")
     handler = logging.FileHandler(log_path)
@@ -358,12 +362,16 @@ def child(directory: str, settings: str, rate_per_hour: float, steps: int, model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt = lowdiff.wrap(opt, model, directory, compressor=lowdiff.Dense(), schedule=schedule(settings, rate_per_hour))
     start = recovery.resume(directory, model, opt)
+    lifelog.write(timeline, "resumed", start.load_s, start.replay_s, start.replayed)
     print(f"resumed {start}", flush=True)
+    controller = opt.controller
     for step in range(start, steps):
         x, y = gpt.batch(cfg, step)
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
+        lifelog.write(timeline, "step",
+                      f"{controller.full_every}/{controller.batch_steps if controller.differentials_wanted else 'off'}")
         print(f"step {step + 1}", flush=True)
     opt.close()
 
@@ -401,14 +409,14 @@ class Launcher:
             warm.start()
             warm.join()
 
-    def start(self, directory: str, settings: str, rate_per_hour: float, model: str, log_path: str):
+    def start(self, directory: str, settings: str, rate_per_hour: float, model: str, log_path: str, timeline: str):
         if self.how == "fork":
             proc = self._context.Process(target=child, args=(directory, settings, rate_per_hour, 10**8, model, True,
-                                                             log_path))
+                                                             log_path, timeline))
             proc.start()
             return proc
         command = [sys.executable, os.path.abspath(__file__), "--child", directory, settings, str(rate_per_hour),
-                   "100000000", model, log_path]
+                   "100000000", model, log_path, timeline]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=_repo())
 
     def kill_after(self, proc, life_s: float) -> None:
@@ -426,32 +434,25 @@ class Launcher:
             proc.wait()
 
 
-def lives_of(gaps: np.ndarray, budget_s: float) -> list[float]:
-    """The lives (seconds) of a run of ``budget_s``: the failure gaps, the last one cut at the budget."""
-    lives, total = [], 0.0
-    for gap in gaps:
-        lives.append(min(float(gap), budget_s - total))
-        total += lives[-1]
-        if total >= budget_s:
-            break
-    return lives
-
-
 def real_round(launcher: Launcher, settings_list: list[str], lives: list[float], mtbf_s: float, model: str,
                root: str, log_prefix: str) -> list[dict]:
     """One round: each setting trains in lives of the same lengths (``lives``): a trainer is started,
     SIGKILLed when its life ends, restarted with resume. The settings take turns life by life (in a
     rotating order), so a change in the machine's load falls on all of them alike. Goodput =
     durable steps at the end / wall time. The controller's decisions go to
-    ``log_prefix``-SETTINGS.log."""
+    ``log_prefix``-SETTINGS.log, each life's events to ``log_prefix``-SETTINGS.timeline, summarised
+    in the row's "timeline" (experiments/lifelog.py: what the run spent, for the scale model)."""
     directories = {s: tempfile.mkdtemp(prefix="tune-real-", dir=root) for s in settings_list}
     for index, life_s in enumerate(lives):
         # The order rotates, so no setting always starts right after the same one was killed.
         turn = index % len(settings_list)
         for settings in settings_list[turn:] + settings_list[:turn]:
             log_path = f"{log_prefix}-{settings.replace('/', '_')}.log"
-            proc = launcher.start(directories[settings], settings, 3600 / mtbf_s, model, log_path)
+            timeline = log_path[:-len(".log")] + ".timeline"
+            lifelog.write(timeline, "life")
+            proc = launcher.start(directories[settings], settings, 3600 / mtbf_s, model, log_path, timeline)
             launcher.kill_after(proc, life_s)
+            lifelog.write(timeline, "end")
     rows = []
     for settings, directory in directories.items():
         durable = max(take_inventory(directory, skip_other_versions=True).manifest.durable_step(), 0)
@@ -476,10 +477,13 @@ def real_round(launcher: Launcher, settings_list: list[str], lives: list[float],
         except ValueError:
             in_run = None
         shutil.rmtree(directory)
+        timeline = f"{log_prefix}-{settings.replace('/', '_')}.timeline"
+        spent = lifelog.summarize(lifelog.read(timeline))
         rows.append({"settings": settings, "last_in_force": chosen or settings, "durable_steps": durable,
                      "wall_s": sum(lives), "kills": len(lives) - 1, "restart_s": restart_s,
                      "record_ratio": record_ratio, "goodput_steps_per_s": durable / sum(lives),
-                     "in_run_costs": json.dumps(dataclasses.asdict(in_run)) if in_run is not None else ""})
+                     "in_run_costs": json.dumps(dataclasses.asdict(in_run)) if in_run is not None else "",
+                     "timeline": json.dumps(spent)})
     return rows
 
 
@@ -488,8 +492,7 @@ def run_real(args, out_dir: str) -> list[dict]:
     launcher = Launcher(args.restart)
     rows = []
     for r in range(args.rounds):
-        gaps = np.random.default_rng(args.seed + 1000 + r).exponential(args.mtbf_s, 1000)
-        lives = lives_of(gaps, args.real_budget_s)
+        lives = lifelog.stratified_lives(np.random.default_rng(args.seed + 1000 + r), args.mtbf_s, args.real_budget_s)
         log_prefix = os.path.join(out_dir, f"tune_real_round{r}")
         for name in os.listdir(out_dir):
             if name.startswith(f"tune_real_round{r}-"):
@@ -528,7 +531,7 @@ def print_real(rows: list[dict], args) -> None:
     summary = real_summary(rows)
     best_name = max((s for s in summary if not s.startswith("auto")), key=lambda s: summary[s]["mean"])
     best_mean = summary[best_name]["mean"]
-    print(f"\nreal run: small model, Dense, SIGKILL after exponential gaps (MTBF {args.mtbf_s:g} s), "
+    print(f"\nreal run: small model, Dense, SIGKILL after exponential gaps (MTBF {args.mtbf_s:g} s, stratified), "
           f"{args.rounds} round(s) of {args.real_budget_s:g} s per setting, each round its own failure times, "
           f"the same for every setting; restarts by {args.restart}; auto told {3600 / args.mtbf_s:g} failures/h; "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
@@ -575,11 +578,11 @@ def main() -> int:
     parser.add_argument("--restart", choices=("fork", "exec"), default="fork",
                         help="real run: restart a killed trainer by forking it from a server that has imported "
                              "torch and lowdiff (default), or by running a new interpreter")
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        directory, settings, rate, steps, model, log_path = args.child
-        child(directory, settings, float(rate), int(steps), model, False, log_path)
+        directory, settings, rate, steps, model, log_path, timeline = args.child
+        child(directory, settings, float(rate), int(steps), model, False, log_path, timeline)
         return 0
     if args.quick:   # (an environment variable: measure_restart's interpreter builds the same models)
         os.environ["TUNE_FREQUENCY_QUICK"] = "1"

@@ -133,6 +133,17 @@ class Engine:
             Piece(op, fd, view[start:start + chunk], offset + start, path, ticket) for start in starts])
         return ticket
 
+    # The buffer registered for fixed I/O (None: none). Backends without fixed I/O never set it.
+    registered: object = None
+
+    def register_buffer(self, buffer) -> bool:
+        """Register ``buffer`` (an ``AlignedBuffer``, or None to drop the registration) so that
+        writes and reads inside it skip the kernel's per-request pinning of its pages; it replaces
+        the previous registration (one at a time). The engine keeps ``buffer`` alive while it is
+        registered. False where the backend or the kernel has no fixed I/O: requests then work
+        as before. An optimization only: the bytes moved are the same either way."""
+        return False
+
     def close(self) -> None:
         """Stop the workers after the queued pieces are done. Idempotent."""
         if self._closed:

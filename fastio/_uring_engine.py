@@ -6,6 +6,11 @@ released, and handles completions: an error completes the piece's ticket with an
 naming the operation, size, offset and path; a short transfer is resubmitted for the remainder;
 a read that returns 0 bytes early raises ``EOFError``. The piece objects held while in flight
 keep their buffers alive.
+
+``register_buffer`` hands the thread a buffer to register for fixed I/O (the kernel pins its
+pages once; requests inside it skip the per-request pinning): the thread first finishes what is
+in flight, then registers it (in slices of at most 1 GiB) and keeps the buffer alive until it is
+replaced, dropped, or the engine closes.
 """
 from __future__ import annotations
 
@@ -14,9 +19,25 @@ import errno
 import itertools
 import threading
 
-from ._engine import Engine
+from ._engine import URGENT, Engine, Piece, Ticket
 from ._errors import io_error
 from ._uring import Ring
+
+# The kernel registers at most 1 GiB per iovec: a larger buffer (a GPU model's staging) goes as
+# several slices; a request that crosses a slice boundary is written the ordinary way.
+FIXED_SLICE_BYTES = 1 << 30
+
+
+class _Registration(Piece):
+    """A control item in the piece queue: (un)register ``buffer`` on the engine's thread, the only
+    thread that uses the ring."""
+
+    __slots__ = ("buffer", "accepted")
+
+    def __init__(self, buffer) -> None:
+        super().__init__("register", -1, None, 0, "", Ticket(1, 0))
+        self.buffer = buffer
+        self.accepted = False
 
 
 class UringEngine(Engine):
@@ -30,6 +51,17 @@ class UringEngine(Engine):
         self._depth = min(config.queue_depth, self._ring.sq_entries)
         self._thread = threading.Thread(target=self._run, name="fastio-uring", daemon=True)
         self._thread.start()
+
+    def register_buffer(self, buffer) -> bool:
+        if self._closed:
+            return False
+        item = _Registration(buffer)
+        self._queue.put_many(URGENT, [item])
+        try:
+            item.ticket.wait()
+        except OSError:
+            return False   # the ring failed: the requests themselves report it
+        return item.accepted
 
     def _run(self) -> None:
         inflight: dict[int, object] = {}  # user_data -> Piece
@@ -46,18 +78,58 @@ class UringEngine(Engine):
                             if not inflight:
                                 return  # queue closed and drained: the only way out
                             break  # nothing more queued right now: go wait for completions
+                    if isinstance(piece, _Registration):
+                        self._settle(ids, inflight, backlog)
+                        self._register(piece)
+                        continue
                     if not self._start(next(ids), piece, inflight):
                         backlog.appendleft(piece)
                         break
                 if not inflight:
                     continue
-                self._ring.submit_and_wait(1)
-                for user_data, res in self._ring.reap():
-                    self._complete(user_data, inflight.pop(user_data), res, inflight, backlog)
+                self._wait_some(inflight, backlog)
         except BaseException as exc:  # the ring failed: no ticket may be left waiting
             self._fail_all(exc, inflight, backlog)
         finally:
-            self._ring.close()
+            self._ring.close()   # (drops the registration: the kernel lets the pages go)
+            self.registered = None
+
+    def _wait_some(self, inflight: dict, backlog) -> None:
+        self._ring.submit_and_wait(1)
+        for user_data, res in self._ring.reap():
+            self._complete(user_data, inflight.pop(user_data), res, inflight, backlog)
+
+    def _settle(self, ids, inflight: dict, backlog) -> None:
+        """Finish every request in flight, and the remainders they resubmit, before the
+        registration changes: a request must not outlive the registered memory it may use."""
+        while inflight or backlog:
+            while backlog and len(inflight) < self._depth:
+                piece = backlog.popleft()
+                if not self._start(next(ids), piece, inflight):
+                    backlog.appendleft(piece)
+                    break
+            if inflight:
+                self._wait_some(inflight, backlog)
+
+    def _register(self, item: _Registration) -> None:
+        try:
+            if item.buffer is None:
+                if self.registered is not None:
+                    self._ring.unregister_buffers()
+                self.registered, item.accepted = None, True
+            else:
+                # The ring drops the previous table first; the kernel pins the pages it finds now,
+                # so the memory must stay mapped while registered: the engine keeps its owner.
+                address, nbytes = item.buffer.address, item.buffer.capacity_bytes
+                item.accepted = self._ring.register_buffers(
+                    [(address + start, min(FIXED_SLICE_BYTES, nbytes - start))
+                     for start in range(0, nbytes, FIXED_SLICE_BYTES)])
+                self.registered = item.buffer if item.accepted else None
+        except OSError as exc:
+            self.registered = None
+            item.ticket._piece_done(exc)
+            return
+        item.ticket._piece_done()
 
     def _start(self, user_data: int, piece, inflight: dict) -> bool:
         """Prepare the rest of ``piece``; False if the ring is full. Bad buffers fail the piece."""
@@ -120,7 +192,10 @@ class UringEngine(Engine):
         inflight.clear()
         backlog.clear()
         while (piece := self._queue.get()) is not None:
-            piece.ticket._piece_done(error_for(piece))
+            if isinstance(piece, _Registration):
+                piece.ticket._piece_done(OSError(f"io_uring engine failed: {exc!r}"))
+            else:
+                piece.ticket._piece_done(error_for(piece))
 
     def _join(self) -> None:
         self._thread.join()

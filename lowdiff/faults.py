@@ -27,6 +27,7 @@ With ``full_every``/``batch_steps`` "auto" (lowdiff.control.controlstate):
 In a partitioned directory resumed with fewer ranks (lowdiff.distributed.shareretention):
 
 ``dropped-clean``   between two deletions of a dropped rank's files its committed manifest dropped
+``dropped-prefix``  between two deletions of a dropped rank's prefix in a bucket (lowdiff.tiers.bucket)
 
 With full checkpoints striped over several devices (lowdiff.store.stripes):
 
@@ -46,7 +47,7 @@ PHASES = ("record", "batch-write", "batch-commit", "full-write", "full-commit", 
 # Reached only with a shared tier (lowdiff.tiers.drainer): kept apart so that a single-directory run's
 # list of phases (which tests crash at, one by one) stays as it is.
 TIER_PHASES = ("drain-write", "drain-commit", "clean")
-PARTITION_PHASES = ("dropped-clean",)
+PARTITION_PHASES = ("dropped-clean", "dropped-prefix")
 CONTROL_PHASES = ("controller-write",)
 STRIPE_PHASES = ("stripe-write",)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import tempfile
 
 import torch.distributed as dist
@@ -18,11 +17,12 @@ from lowdiff.distributed.partition import is_partitioned
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from lowdiff.store.inventory import take_inventory
 from lowdiff.store.manifest import chain_end, describe_retained, plan_chain
-from lowdiff.tiers.bucket import bucket_layout, stage_partitioned
+from lowdiff.tiers.bucketranks import bucket_layout
 from lowdiff.tiers.marker import read_marker
 from lowdiff.tiers.objectstore import is_object_url
 from recovery.execute import Restored
-from recovery.partitioned.plan import plan_sets
+from recovery.partitioned.bucket import BucketShares, read_commits
+from recovery.partitioned.plan import LOCAL, LocalFiles, plan_sets
 from recovery.partitioned.restore import restore_partitioned
 from recovery.pipeline.bucket import ObjectStoreError, open_bucket, unreachable, urls_named
 from recovery.plan import checkpoint_directory, warn
@@ -191,35 +191,40 @@ def _rank0_says(decide):
 
 def _restore_partitioned_bucket(local: str, url: str, *, check_full, stop_step: int | None, object_store,
                                 **run) -> tuple[Restored | None, str, bool]:
-    """``restore_from_tiers`` of a partitioned run whose shared tier is a bucket: every rank
-    fetches every rank prefix's newest commit (each object checked against its size and CRC-32C)
-    into a partitioned directory of its own and restores the two partitioned tiers
-    (``restore_partitioned_tiers``), at any world size. The ranks agree on whether the bucket
-    could be read: a store that cannot be reached fails the resume on every rank; a commit that
-    cannot be read leaves the bucket out, with a warning."""
+    """``restore_from_tiers`` of a partitioned run whose shared tier is a bucket, at any world
+    size: rank 0 reads every rank prefix's newest commit and sends them to all; the two partitioned
+    tiers are ranked and restored as directories are (``restore_partitioned_tiers``), the bucket's
+    files fetched by each rank as it reads them (recovery.partitioned.bucket: its own shares
+    first, the chain a few files ahead of the replay, each object checked). The ranks agree on
+    whether the bucket could be read: a store that cannot be reached, at the start or during the
+    restore, fails the resume on every rank; commits that cannot be read leave the bucket out,
+    with a warning."""
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging, \
             urls_named({os.path.join(staging, "bucket"), _rank0_says(lambda: os.path.join(staging, "bucket"))}, url):
         root = os.path.join(staging, "bucket")
         os.makedirs(root)
-        failed = None
-        try:
-            stage_partitioned(url, root, object_store)
-        except (CheckpointError, OSError) as exc:
-            failed = (unreachable(exc), str(exc))
+
+        def commits():
+            try:
+                return read_commits(url, object_store), None
+            except (CheckpointError, OSError) as exc:
+                return {}, (unreachable(exc), str(exc))
+        found, failed = _rank0_says(commits)
+        if failed is not None and failed[0]:
+            raise CheckpointError(f"the shared tier {url} cannot be read now: {failed[1]}")
+        if failed is not None:
+            warn(f"lowdiff: the shared tier {url} cannot be read: {failed[1]}")
+        with BucketShares(url, root, found, object_store) as shares:
+            restored, tier, own = restore_partitioned_tiers(local, root, check_full=check_full, stop_step=stop_step,
+                                                            shared_files=shares, **run)
+            failure = str(shares.failure) if shares.failure is not None else None
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        failures = [failed]
+        failures = [failure]
         if world > 1:
             failures = [None] * world
-            dist.all_gather_object(failures, failed)
-        if any(f is not None and f[0] for f in failures):
-            raise CheckpointError(f"the shared tier {url} cannot be read now: " +
-                                  next(f[1] for f in failures if f is not None and f[0]))
-        if any(f is not None for f in failures):
-            warn(f"lowdiff: the shared tier {url} cannot be read: {next(f[1] for f in failures if f is not None)}")
-            shutil.rmtree(root)
-            os.makedirs(root)
-        restored, tier, own = restore_partitioned_tiers(local, root, check_full=check_full, stop_step=stop_step,
-                                                        **run)
+            dist.all_gather_object(failures, failure)
+        if any(failures):   # (an older state resumed on would drop the bucket's newer commits)
+            raise CheckpointError(f"the shared tier {url} cannot be read now: {next(f for f in failures if f)}")
     if restored is not None and tier == "shared":
         restored = dataclasses.replace(restored, directory=url)
     return restored, tier, own
@@ -286,7 +291,7 @@ def _restore_furthest(plan: TiersPlan, attempt, errors: dict | None = None):
 
 
 # ---------------------------------------------------------------------- partitioned tiers
-def tier_reach(root: str, stop_step: int | None) -> int:
+def tier_reach(root: str, stop_step: int | None, files: LocalFiles = LOCAL) -> int:
     """The step the newest complete full set of the partitioned directory ``root`` reaches by its
     manifests (at or before ``stop_step``): the smallest over its shares' chains; -1 for none.
     Its records may still fail to verify (the restore then ends earlier).
@@ -294,40 +299,44 @@ def tier_reach(root: str, stop_step: int | None) -> int:
     The manifests are the reconciled views restore plans with (recovery.partitioned.restore.plan): a rank
     whose MANIFEST.json is missing or damaged has its list rebuilt from its share files, so a tier
     is neither under-estimated (a better tier passed over) nor judged by shares restore ignores."""
-    sets, _ = plan_sets(root, stop_step)
+    sets, _ = plan_sets(root, stop_step, files)
     if not sets:
         return -1
     reach = sets[0].reach
     return reach if stop_step is None else min(reach, stop_step)
 
 
-def _agreed_plan(directories: dict, stop_step: int | None) -> TiersPlan:
+def _agreed_plan(directories: dict, stop_step: int | None, files: dict) -> TiersPlan:
     """The plan of partitioned tiers, made by rank 0 and sent to every rank, so that all choose
-    alike."""
+    alike (``files``: {tier: how its files are reached})."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     plan: list = [None]
     if world == 1 or dist.get_rank() == 0:
         plan[0] = TiersPlan(tuple(directories.items()),
-                            tuple((tier, tier_reach(directory, stop_step)) for tier, directory in directories.items()))
+                            tuple((tier, tier_reach(directory, stop_step, files[tier]))
+                                  for tier, directory in directories.items()))
     if world > 1:
         dist.broadcast_object_list(plan, src=0)
     return plan[0]
 
 
 def restore_partitioned_tiers(local: str, shared: str, *, check_full, stop_step: int | None, apply_full, params_for,
-                              optimizer_for, workers=None, into=None) -> tuple[Restored | None, str, bool]:
+                              optimizer_for, workers=None, into=None,
+                              shared_files: LocalFiles = LOCAL) -> tuple[Restored | None, str, bool]:
     """Partitioned tiers (docs/format.md, "Partitioned directories with tiers"), on every rank of
     the process group alike: restore the tier whose newest complete set reaches furthest (the
     local one when equal) with recovery.partitioned.restore; if it ends before the other tier's plan, try
-    that one and keep the further."""
+    that one and keep the further. ``shared_files``: how the shared tier's files are reached (a
+    bucket's: recovery.partitioned.bucket)."""
     directories = dict(zip(TIERS, (local, shared)))
-    plan = _agreed_plan(directories, stop_step)
+    files = {"local": LOCAL, "shared": shared_files}
+    plan = _agreed_plan(directories, stop_step, files)
 
     def attempt(tier):
         try:
             return restore_partitioned(directories[tier], check_full=check_full, apply_full=apply_full,
                                        params_for=params_for, optimizer_for=optimizer_for, stop_step=stop_step,
-                                       workers=workers, into=into)
+                                       workers=workers, into=into, files=files[tier])
         except NoCheckpointError as exc:   # the same on every rank (the ranks agree on what failed)
             warn(f"lowdiff: the {tier} tier {directories[tier]} cannot be resumed: {exc}")
             return None, True

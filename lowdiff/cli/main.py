@@ -100,7 +100,8 @@ def _fetched(path: str):
     if not is_object_url(path):
         yield path, []
         return
-    from lowdiff.tiers.bucket import bucket_layout, stage, stage_partitioned
+    from lowdiff.tiers.bucket import stage
+    from lowdiff.tiers.bucketranks import bucket_layout, stage_partitioned
 
     with tempfile.TemporaryDirectory(prefix="lowdiff-s3-") as staging:
         _FETCHED.append((staging, path.rstrip("/")))

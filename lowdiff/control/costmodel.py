@@ -107,6 +107,9 @@ class Evaluation:
     per_failure_s: float     # expected time one failure costs (restart, recovery, lost work, base full)
     worst_recovery_s: float  # load + replay of the longest chain resume may have to replay
     violated: tuple[str, ...] = ()
+    # Of per_failure_s, the time a session spends restarting, loading, replaying and taking its
+    # base checkpoint before the next failure cuts it (the rest is work lost).
+    recovery_s: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -123,19 +126,26 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
         base_s = max(base_s, costs.batch_write_s(batch_steps) / batch_steps)
     step_s = base_s + costs.stall_s / full_every                     # a step, fulls amortised
     persist_s = costs.shared_persist_s(batch_steps)                  # slowed by the batch writes
+    rate = limits.failure_rate_per_s
     if batch_steps is not None:
         write_s = costs.batch_write_s(batch_steps)
+        chunk_s, latency_s = batch_steps * step_s, write_s       # a batch is durable write_s after it ends
         lost_steps = batch_steps / 2 + write_s / step_s
+        # (A session's base checkpoint makes the chain shorter than F/2 when sessions are short;
+        # left out: on the safe side, and it keeps the waste unimodal in F, docs/controller.md.)
         replay_steps = max(0.0, full_every / 2 + persist_s / step_s - lost_steps)
         worst_recovery_s = costs.load_s + costs.replay_s * (full_every + persist_s / base_s)
     else:
         write_s = 0.0
-        lost_steps = full_every / 2 + persist_s / step_s
+        chunk_s, latency_s = full_every * step_s, persist_s      # a full is durable persist_s after it
         replay_steps = 0.0
         worst_recovery_s = costs.load_s
-    per_failure_s = (costs.restart_s + costs.load_s + costs.replay_s * replay_steps + step_s * lost_steps
-                     + costs.stall_s)  # the restarted session's base checkpoint
-    lost_share = min(1.0, limits.failure_rate_per_s * per_failure_s)
+    # Before a session makes anything durable: restart, load, replay, its base checkpoint's stall.
+    before_s = costs.restart_s + costs.load_s + costs.replay_s * replay_steps + costs.stall_s
+    lost_share = _lost_share(rate, before_s + latency_s, chunk_s)
+    # The expected wall time one failure costs (rare failures: before_s + latency_s + chunk_s / 2,
+    # i.e. restart + load + replay + base checkpoint + the steps lost, docs/controller.md).
+    per_failure_s = lost_share / rate
     waste = 1.0 - (costs.step_s / step_s) * (1.0 - lost_share)
     overhead = 1.0 - costs.step_s / step_s
     violated = []
@@ -151,7 +161,27 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
         violated.append("memory")
     if limits.max_recovery_s is not None and worst_recovery_s > limits.max_recovery_s:
         violated.append("recovery")
-    return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated))
+    recovery_s = -math.expm1(-rate * before_s) / rate      # E[min(session, before_s)]
+    return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated),
+                      recovery_s)
+
+
+def _lost_share(rate: float, before_s: float, chunk_s: float) -> float:
+    """The share of wall time that failures (a Poisson process of ``rate``) leave nothing durable
+    for, exactly: a session keeps nothing until ``before_s`` has passed (a failure in it starts
+    the next session), then makes ``chunk_s`` of work durable at a time. With X the session's
+    length (exponential), it keeps chunk_s * E[#{k >= 1: before_s + k chunk_s <= X}] =
+    chunk_s * exp(-rate before_s) / expm1(rate chunk_s), and sessions start at ``rate``: the kept
+    share is exp(-rate before_s) h(rate chunk_s), h(x) = x / expm1(x). First order: rate *
+    (before_s + chunk_s / 2), the cost of a failure times the rate (Young's model); that is what
+    the model charged before, and it overstates the loss once failures come within a few
+    intervals and restarts (then a session cut short loses what it ran, not a whole failure's
+    cost): at rate * (before_s + chunk_s / 2) = 0.5 the share kept is 0.58-0.61, not 0.5
+    (docs/controller.md)."""
+    x = rate * chunk_s
+    # 1 - h(x), without the cancellation of 1 - x / expm1(x) for small x.
+    not_h = x / 2 - x * x / 12 if x < 1e-4 else 1.0 - x / math.expm1(min(x, 700.0))
+    return not_h + (1.0 - not_h) * -math.expm1(-rate * before_s)
 
 
 def _full_every_bounds(costs: Costs, limits: Limits, batch_steps: int | None,
@@ -176,7 +206,8 @@ def _full_every_bounds(costs: Costs, limits: Limits, batch_steps: int | None,
 
 
 def _best_full_every(costs: Costs, limits: Limits, batch_steps: int | None, lo: int, hi: int) -> Evaluation:
-    """The waste is unimodal in F (log(1 - waste) is concave: docs/controller.md), so an integer
+    """The waste is unimodal in F (log(1 - waste) is a sum of terms concave in F: docs/controller.md;
+    tests/unit/test_costmodel.py checks the search against brute force), so an integer
     ternary search over [lo, hi] finds the minimum."""
     def waste(f: int) -> float:
         return evaluate(costs, limits, f, batch_steps).waste

@@ -119,4 +119,5 @@ class ShareSnapshot(Snapshot):
                                   piece_entries, own_bytes, own_entries, objects_section, *meta.fields(),
                                   dtensors=self._chunks)
         body = self._buffer.view(0, self._body_bytes)
+        self.register_fixed(engine)
         return write_full_share(path, body, objects, make_index, engine=engine, before_commit=before_commit)

@@ -229,11 +229,14 @@ def write_diff_share(path: str, session: str, records: list, *, run: str | None,
                        index_fields=DiffShareIndex.share_json(share[0], share[1], slots, dtensors))
 
 
-def read_diff_share_index(path: str) -> DiffShareIndex:
-    """The index of the differential share at ``path`` (read from the file; records not checked)."""
-    with fastio.Reader(path) as reader:
-        raw = container.read_index(path, reader.read, reader.size, container.KIND_DIFF_SHARE)
-        return DiffShareIndex.from_json(path, raw, reader.size - container.TRAILER.size)
+def read_diff_share_index(path: str, reader=None) -> DiffShareIndex:
+    """The index of the differential share at ``path`` (read from the file, or through ``reader``:
+    ``read(offset, n)`` and ``size`` of its bytes elsewhere; records not checked)."""
+    if reader is None:
+        with fastio.Reader(path) as reader:
+            return read_diff_share_index(path, reader)
+    raw = container.read_index(path, reader.read, reader.size, container.KIND_DIFF_SHARE)
+    return DiffShareIndex.from_json(path, raw, reader.size - container.TRAILER.size)
 
 
 def read_share_index(path: str):

@@ -438,11 +438,13 @@ class FullWriter:
         self._errors.check()
 
     def close(self) -> None:
-        """Training thread: ``wait``, then end the worker thread and let staging go (unlocking it
-        if it was page-locked for device copies)."""
+        """Training thread: ``wait``, end the worker thread, let staging go (page-locked for device
+        copies: unlocked; registered with the I/O engine, which would keep it alive: released)."""
         try:
             self.wait()
         finally:
             self._worker.close()
             if self._pinned is not None:
                 self._snapshot.drop_buffer()
+            else:
+                self._snapshot.release_fixed()

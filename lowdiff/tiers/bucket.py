@@ -18,13 +18,11 @@ from lowdiff import faults
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.format.container import BucketManifest
 from lowdiff.store.manifest import DIFF_RE, FULL_RE, Manifest
-from lowdiff.store.rankdirs import RANK_DIR_RE, rank_directory
 from lowdiff.store.retention import Policy, retain
 from lowdiff.tiers.objectstore import ObjectStore, ObjectStoreError, S3Client, parse_s3_url
 from lowdiff.tiers.policy import _with
 
-__all__ = ["BucketStore", "bucket_layout", "check_bucket_layout", "complete_in_bucket", "download", "rank_url",
-           "read_bucket", "stage", "stage_partitioned"]
+__all__ = ["BucketStore", "download", "read_bucket", "remove_prefix", "stage"]
 
 log = logging.getLogger("lowdiff")
 MANIFEST_RE = re.compile(r"^MANIFEST-(\d{12})\.json$")
@@ -118,9 +116,12 @@ class BucketStore:
     clean_point = "clean"
 
     def __init__(self, url: str, policy: Policy, options: ObjectStore | None = None, *, verify: bool = True,
-                 complete=None):
+                 complete=None, dropped=None, durable=None):
         """``complete``: a rank's prefix of a partitioned layout (``complete_in_bucket``): the policy
-        counts complete sets only (lowdiff.store.retention.retain)."""
+        counts complete sets only (lowdiff.store.retention.retain). ``dropped()``: the prefixes of
+        ranks a smaller run dropped that this rank removes (``dropped_prefixes``), once a set of
+        this session is complete. ``durable(manifest)``: the durable step of a partitioned layout, this
+        rank's manifest given (``durable_in_bucket``)."""
         self.directory = url                 # what messages name (it is no directory)
         self._complete = complete
         self.url = parse_s3_url(url)
@@ -135,6 +136,10 @@ class BucketStore:
         self._seq = -1
         self._client: S3Client | None = None
         self._mutex = threading.Lock()
+        self._find_dropped = dropped
+        self._durable = durable
+        self._durable_seen = -1
+        self._dropped: list = []
 
     def open(self) -> None:
         """Read the newest commit and clean the prefix (see docs/format.md): abort unfinished
@@ -157,6 +162,7 @@ class BucketStore:
             log.info("lowdiff: removing %d objects no commit of %s names (left by an earlier run)",
                      len(stale), self.url)
             client.delete(stale)
+        self._dropped = list(self._find_dropped()) if self._find_dropped is not None else []
         self._client = client
 
     def close(self) -> None:
@@ -167,10 +173,18 @@ class BucketStore:
             return self.manifest
 
     def durable_step(self) -> int:
-        """The newest step a resume from the bucket alone reaches (its newest commit); -1 before
-        the first."""
+        """The newest step a resume from the bucket alone reaches (its newest commit; partitioned:
+        the furthest a complete set reaches by every rank's newest commit, or what it was when
+        last read if the bucket cannot be read now); -1 before the first."""
         with self._mutex:
-            return self.manifest.durable_step()
+            manifest = self.manifest
+        if self._durable is None:
+            return manifest.durable_step()
+        try:
+            self._durable_seen = self._durable(manifest)
+        except (CheckpointError, OSError) as exc:
+            log.info("lowdiff: the shared tier's durable step is not updated: %s", exc)
+        return self._durable_seen
 
     def would_keep(self, entry) -> bool:
         with self._mutex:
@@ -232,6 +246,25 @@ class BucketStore:
             client.delete([name])
             faults.point(self.clean_point)
         client.delete([manifest_name(seq - 1)] if seq > 0 else [])
+        self._remove_dropped()
+
+    def _remove_dropped(self) -> None:
+        """Remove the dropped ranks' prefixes once this session has a complete set (every rank's
+        newest commit lists its share; never before: the dropped prefixes' shares may be the only
+        copy of the newest complete set) and this prefix's commit lists no set of an earlier
+        session (those are the sets that need the dropped shares: retention drops them once a set
+        of this session is complete, as ``complete_in_bucket`` counts them incomplete, but only at
+        its next commit; while this prefix lists one, the dropped prefixes stay)."""
+        if not self._dropped or self._complete is None:
+            return
+        with self._mutex:
+            fulls = list(self.manifest.fulls)
+        done = self._complete(fulls)
+        if not done or {f.session for f in fulls} != {session for _, session in done}:
+            return
+        while self._dropped:
+            remove_prefix(self._dropped[0], self.options)
+            self._dropped.pop(0)
 
     def _require(self) -> S3Client:
         if self._client is None:
@@ -239,66 +272,27 @@ class BucketStore:
         return self._client
 
 
-# ---------------------------------------------------------------------- partitioned layout
-def rank_url(url: str, rank: int) -> str:
-    """Where rank ``rank`` of a partitioned run keeps its shares: ``url/rank-NNNNN`` (a rank
-    directory's name, docs/format.md)."""
-    return f"{url.rstrip('/')}/{os.path.basename(rank_directory('', rank))}"
-
-
-def bucket_layout(url: str, options: ObjectStore | None = None) -> str | None:
-    """"single": commits directly under ``url``; "partitioned": ``rank-NNNNN`` prefixes under it;
-    None: neither."""
+def remove_prefix(url: str, options: ObjectStore | None) -> None:
+    """Delete the prefix of a dropped rank, crash-safely: its manifest objects first, oldest first
+    (once they are gone nothing in it is committed: readers pass it over), then its unfinished
+    uploads and the objects of ours they named. A crash in between leaves objects no commit names,
+    which the next run that finds the prefix removes; objects that are not ours stay (with a
+    warning), as in a directory."""
     client = S3Client(parse_s3_url(url), options or ObjectStore())
-    if any(MANIFEST_RE.match(name) for name in client.listing()):
-        return "single"
-    return "partitioned" if any(RANK_DIR_RE.match(name) for name in client.children("rank-")) else None
-
-
-def check_bucket_layout(url: str, partitioned: bool, options: ObjectStore | None) -> None:
-    """One prefix never mixes the single-process and the partitioned layout (as a directory)."""
-    found = bucket_layout(url, options)
-    if partitioned and found == "single":
-        raise CheckpointError(f"{url} holds single-process checkpoints: a partitioned run (torch.distributed) "
-                              f"cannot drain into it; name another shared tier")
-    if not partitioned and found == "partitioned":
-        raise CheckpointError(f"{url} is partitioned (written under torch.distributed): a single-process run "
-                              f"cannot drain into it; name another shared tier")
-
-
-def complete_in_bucket(partition, url: str, options: ObjectStore | None):
-    """``complete(fulls)`` of this rank's prefix: the (step, session) of ``fulls`` whose set every
-    other rank's newest commit lists (read at each call). Only sets of this session (``world``
-    shares) are counted; an earlier session's share count is in its files and is not read, so its
-    sets count as incomplete: retention keeps them while no newer set is complete (storage, never
-    data)."""
-    clients: dict = {}
-
-    def complete(fulls) -> set:
-        mine = {(f.step, f.session) for f in fulls if f.session == partition.session}
-        for rank in range(partition.world):
-            if not mine:
-                break
-            if rank != partition.rank:
-                if rank not in clients:
-                    clients[rank] = S3Client(parse_s3_url(rank_url(url, rank)), options or ObjectStore())
-                committed = read_bucket(clients[rank])
-                mine &= {(f.step, f.session) for f in committed.manifest.fulls} if committed else set()
-        return mine
-    return complete
-
-
-def stage_partitioned(url: str, directory: str, options: ObjectStore | None = None) -> list:
-    """``stage`` of every rank prefix of ``url`` into ``directory/rank-NNNNN`` (a partitioned
-    directory). Returns [(object URL, why)] of the objects left out."""
-    client = S3Client(parse_s3_url(url), options or ObjectStore())
-    problems: list = []
-    for name in sorted(n for n in client.children("rank-") if RANK_DIR_RE.match(n)):
-        target = os.path.join(directory, name)
-        os.makedirs(target)
-        problems += [(f"{url}/{name}/{file}", why) for file, why in
-                     stage(f"{url.rstrip('/')}/{name}", target, options=options)[1]]
-    return problems
+    listing = client.listing()
+    for seq in sorted(int(m.group(1)) for name in listing if (m := MANIFEST_RE.match(name))):
+        client.delete([manifest_name(seq)])
+        faults.point("dropped-prefix")
+    for key, upload_id in client.uploads():
+        client.abort(key, upload_id)
+    for name in sorted(name for name in listing if _ours(name) and not MANIFEST_RE.match(name)):
+        client.delete([name])
+        faults.point("dropped-prefix")
+    others = sorted(name for name in listing if not _ours(name))
+    if others:
+        log.warning("lowdiff: %s, the prefix of a rank this run dropped, holds objects lowdiff did not write (%s); "
+                    "they are left in place", url, ", ".join(others[:4]) + (" ..." if len(others) > 4 else ""))
+    log.info("lowdiff: removed %s, the prefix of a rank this run dropped", url)
 
 
 def _ours(name: str) -> bool:

@@ -27,7 +27,14 @@ from lowdiff.distributed.partition import Partition, rank_directory
 from lowdiff.errors import CheckpointError, CorruptCheckpointError
 from lowdiff.store.manifest import FullEntry, Manifest, entry_path
 from lowdiff.store.retention import Policy
-from lowdiff.tiers.bucket import BucketStore, check_bucket_layout, complete_in_bucket, rank_url
+from lowdiff.tiers.bucket import BucketStore
+from lowdiff.tiers.bucketranks import (
+    check_bucket_layout,
+    complete_in_bucket,
+    dropped_prefixes,
+    durable_in_bucket,
+    rank_url,
+)
 from lowdiff.tiers.marker import check_layouts, complete_in, join_runs, refuse_runs, write_marker
 from lowdiff.tiers.objectstore import is_object_url
 from lowdiff.tiers.policy import PolicyStore, Tiers
@@ -376,7 +383,11 @@ def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
     try:
         remove_dead_scratch(local.directory)   # (unstriped copies a killed drainer was uploading)
         shared = BucketStore(url if partition is None else rank_url(url, partition.rank), tiers.shared,
-                             tiers.object_store, verify=tiers.verify_copies, complete=in_shared)
+                             tiers.object_store, verify=tiers.verify_copies, complete=in_shared,
+                             dropped=None if partition is None else
+                             (lambda: dropped_prefixes(url, partition, tiers.object_store)),
+                             durable=None if partition is None else
+                             durable_in_bucket(partition, url, tiers.object_store))
         failed = None
         try:
             # (a prefix of the other layout fails wrap: every rank finds the same)

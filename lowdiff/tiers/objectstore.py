@@ -25,6 +25,9 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 # What the server or the network may get wrong for a while: retried under the deadline.
 _RETRY_CODES = {"connection", "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
                 "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
+# The retries' jitter draws from a generator of its own: the drainer's thread must never move the
+# training's `random` state, which a step boundary captures and resume restores (exactness).
+_JITTER = random.Random()
 
 
 class ObjectStoreError(OSError):
@@ -148,7 +151,9 @@ class S3Client:
         self.url, self.options = url, options
         self._errors = botocore.exceptions
         config = botocore.config.Config(
-            retries={"max_attempts": 1, "mode": "standard"},   # the retries are ours (deadline, progress)
+            # The retries are ours (deadline, progress). ("max_attempts": 1 still let botocore retry once,
+            # drawing its jitter from the global `random` in the drainer's thread.)
+            retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=options.connect_timeout_s, read_timeout=options.read_timeout_s,
             max_pool_connections=options.max_concurrency + 2)
         self._s3 = boto3.session.Session().client("s3", endpoint_url=options.endpoint_url, config=config)
@@ -173,7 +178,7 @@ class S3Client:
                 if code is None or code not in _RETRY_CODES or deadline.left() <= 0:
                     raise self._error(what, exc, code) from exc
                 attempt += 1
-                time.sleep(min(max(deadline.left(), 0.0), min(0.05 * 2 ** attempt, 2.0) * random.uniform(0.5, 1.0)))
+                time.sleep(min(max(deadline.left(), 0.0), min(0.05 * 2 ** attempt, 2.0) * _JITTER.uniform(0.5, 1.0)))
 
     def code(self, exc: BaseException) -> str | None:
         """The error's S3 code, "500"-like for bare HTTP statuses, "connection" for network
@@ -213,6 +218,15 @@ class S3Client:
     def get(self, name: str) -> bytes:
         return self.retrying(f"reading {name} from", lambda: self._s3.get_object(
             Bucket=self.url.bucket, Key=self.url.key(name))["Body"].read())
+
+    def get_range(self, name: str, offset: int, nbytes: int) -> bytes:
+        """Bytes ``offset .. offset + nbytes`` of the object ``name`` (a ranged GET): a file's
+        index read without its records (lowdiff.tiers.fetch.ObjectRanges)."""
+        if nbytes <= 0:
+            return b""
+        wanted = f"bytes={offset}-{offset + nbytes - 1}"
+        return self.retrying(f"reading {name} from", lambda: self._s3.get_object(
+            Bucket=self.url.bucket, Key=self.url.key(name), Range=wanted)["Body"].read())
 
     def listing(self) -> dict:
         """{name: size} of the objects directly under the prefix."""

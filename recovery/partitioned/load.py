@@ -24,7 +24,7 @@ from lowdiff.format.payloadread import apart, placeable, read_payload
 from lowdiff.format.records import dtype_from_name
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
 from lowdiff.format.sharefile import read_full_share_index, read_own
-from recovery.partitioned.plan import FullSet
+from recovery.partitioned.plan import LOCAL, FullSet, LocalFiles
 from recovery.plan import warn
 
 
@@ -48,15 +48,28 @@ class _Loaded:
     path: str
 
 
-def _read_indexes(fset: FullSet, problems: dict) -> dict:
-    """Every share's index, checked to be of one set (a share that is not: ``problems``)."""
+def _read_indexes(fset: FullSet, problems: dict, files: LocalFiles = LOCAL, reads: list | None = None,
+                  world: int = 1) -> dict:
+    """Every share's index, checked to be of one set (a share that is not: ``problems``). Where
+    ranks hold only the files they read (``files.remote``), each reads the indexes of its
+    ``reads`` and the ranks exchange them (a collective), so no rank fetches another's share for
+    its index; the same problems then stop every rank."""
     indexes = {}
-    for i, path in enumerate(fset.files):
+    remote = files.remote and world > 1
+    for i in (reads if remote and reads is not None else range(fset.count)):
+        path = fset.files[i]
         try:
-            with fastio.Reader(path) as reader:
+            with fastio.Reader(files.ready(path)) as reader:
                 indexes[i] = read_full_share_index(path, reader)
         except (CheckpointError, OSError, EOFError) as exc:
             problems[i] = f"{path} does not verify ({exc})"
+    if remote:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (indexes, problems))
+        for found, failed in gathered:
+            indexes = {**found, **indexes}
+            for share, why in failed.items():
+                problems.setdefault(share, why)
     if problems:
         return indexes
     first = indexes[0]
@@ -67,10 +80,10 @@ def _read_indexes(fset: FullSet, problems: dict) -> dict:
     return indexes
 
 
-def _read_own_part(path: str, index, problems: dict, share: int):
+def _read_own_part(path: str, index, problems: dict, share: int, files: LocalFiles = LOCAL):
     """This rank's own per-rank part (tensors and state skeleton), or None (then ``problems``)."""
     try:
-        with fastio.Reader(path) as reader:
+        with fastio.Reader(files.ready(path)) as reader:
             return read_own(path, reader, index)
     except (CheckpointError, OSError, EOFError) as exc:
         problems[share] = f"{path} does not verify ({exc})"
@@ -183,7 +196,15 @@ def _give_up(fset: FullSet, problems: dict) -> None:
         warn(f"lowdiff: share {share} of the full checkpoint of step {fset.step}: {why}; falling back to an older set")
 
 
-def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: int | None = None) -> _Loaded | None:
+def reads_of(fset: FullSet, rank: int, world: int, as_share: int | None = None) -> list:
+    """The shares whose files this rank reads itself, its own first: its own (or the one whose
+    per-rank state it takes) and share i for every i = rank mod ``world``."""
+    own = as_share if as_share is not None else rank if rank < fset.count else 0
+    return [own] + [i for i in range(rank, fset.count, world) if i != own]
+
+
+def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: int | None = None,
+             files: LocalFiles = LOCAL) -> _Loaded | None:
     """The set's state on this rank, or None (every rank alike) when a share does not verify.
     ``as_share`` (one process, no process group: a sharded ``export``): share ``as_share``'s own
     state instead of rank 0's, its DTensor chunks as the plain tensors they were written as.
@@ -193,11 +214,12 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     ``fullckpt.live_targets``). The shared tensors those hold are then read and exchanged straight
     into them; the rest into one staging buffer. A share that fails its checksums after that
     leaves part of its bytes in those tensors: the older set that resume falls back to overwrites
-    them, as a plain directory's does."""
+    them, as a plain directory's does. ``files``: how the set's files are reached (they may arrive
+    as they are asked for: recovery.partitioned.bucket)."""
     own = as_share if as_share is not None else rank if rank < fset.count else 0
     problems: dict = {}
-    indexes = _read_indexes(fset, problems)
-    own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own)
+    indexes = _read_indexes(fset, problems, files, reads_of(fset, rank, world, as_share), world)
+    own_part = None if problems else _read_own_part(fset.files[own], indexes[own], problems, own, files)
     outline = None
     if own_part is not None:
         try:
@@ -218,21 +240,24 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     staging = fastio.aligned_buffer(max(first.shared_bytes, PAGE))
     for i in range(rank, fset.count, world):
         try:
-            _read_share_payload(fset.files[i], indexes[i], layout, placed, staging)
+            _read_share_payload(files.ready(fset.files[i]), indexes[i], layout, placed, staging)
         except (CheckpointError, OSError, EOFError) as exc:
             problems[i] = f"{fset.files[i]} does not verify ({exc})"
     problems = _agree_problems(problems, world)
     if problems:
         _give_up(fset, problems)
         return None
-    # Resharding (another world size, or no sharded model: export) cuts each chunk from every
-    # share's recorded chunks: read and check them all now, so that a damaged one makes every rank
-    # fall back to an older set instead of failing half-way through the rebuild.
+    # Resharding (another world size, or no sharded model: export) cuts each chunk from the recorded
+    # chunks that overlap it: read and check those now, so that a damaged one makes every rank fall
+    # back to an older set instead of failing half-way through the rebuild.
     chunks: dict = {}   # share -> {key: (chunk entry, tensor)}
     if indexes[own].dtensors and as_share is None and (world != fset.count or not dtensors.meshes_of(live.values())):
+        live_of = _live_lookup(indexes[own], live)
         for i in range(fset.count):
+            if not any(_overlaps(entry, live_of(key)) for key, entry in indexes[i].dtensors.items()):
+                continue   # none of its chunks is part of what this rank rebuilds: not read (not fetched)
             try:
-                _read_chunks(fset, indexes, i, chunks)
+                _read_chunks(fset, indexes, i, chunks, files)
             except (CheckpointError, OSError, EOFError) as exc:
                 problems[i] = f"{fset.files[i]} does not verify ({exc})"
         problems = _agree_problems(problems, world)
@@ -241,28 +266,21 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
             return None
     _exchange_bytes(indexes, staging, layout, placed, fset.count, world)
     payload = staging.tensor(first.shared_bytes) if first.shared_bytes else torch.empty(0, dtype=torch.uint8)
-    rebuild = _chunk_rebuilder(fset, rank, live, indexes, chunks) if as_share is None else \
+    rebuild = _chunk_rebuilder(fset, rank, live, indexes, chunks, files) if as_share is None else \
         (lambda key, local, entry: local)   # the share's own chunks, as written: nothing to cut
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
                       rebuild)
     return _Loaded(indexes[own], state, fset.files[own])
 
 
-def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: dict):
+def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: dict, files: LocalFiles = LOCAL):
     """How a DTensor chunk read back becomes the DTensor on the live mesh: this rank's own chunk at
     the world size and mesh it was written with; else (resharding) this rank's chunk on the live
     mesh, cut from the recorded chunks of every share that overlap it (docs/format.md, "Sharded
     state"), for optimizers that work element by element only."""
     meshes = dtensors.meshes_of(live.values())
     own = rank if rank < fset.count else 0
-    slot_keys = {slot: f"/model/{key}" for key, slot in indexes[own].param_aliases.items()}
-
-    def live_of(key: str):
-        target = live.get(key)
-        if target is None and key.startswith("/optimizer/state/"):
-            slot = key.split("/")[3]
-            target = live.get(slot_keys.get(int(slot), "")) if slot.isdigit() else None
-        return target if dtensors.is_dtensor(target) else None
+    live_of = _live_lookup(indexes[own], live)
 
     def rebuild(key, local, entry):
         target = live_of(key)
@@ -273,27 +291,54 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: 
         # Another world size or mesh, or no sharded model at all (export, an unsharded model): this
         # rank's new chunk, or the whole tensor, cut from every share's recorded chunk.
         dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
-        pieces = [_recorded_chunk(fset, indexes, share, key, read) for share in range(fset.count)]
+        pieces = [_recorded_chunk(fset, indexes, share, key, read, files) for share in range(fset.count)
+                  if _overlaps(indexes[share].dtensors.get(key), target)]
         whole = dtensors.assemble(target, local.dtype, pieces)
         return whole if target is None else dtensors.rewrap(whole, target)
     return rebuild
 
 
-def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict) -> None:
+def _live_lookup(index, live: dict):
+    """``live_of(key)``: the live DTensor a recorded tensor ``key`` is rebuilt into (an optimizer
+    state's by its parameter's slot), or None (no DTensor: the whole tensor is rebuilt)."""
+    slot_keys = {slot: f"/model/{key}" for key, slot in index.param_aliases.items()}
+
+    def live_of(key: str):
+        target = live.get(key)
+        if target is None and key.startswith("/optimizer/state/"):
+            slot = key.split("/")[3]
+            target = live.get(slot_keys.get(int(slot), "")) if slot.isdigit() else None
+        return target if dtensors.is_dtensor(target) else None
+    return live_of
+
+
+def _overlaps(entry: dict | None, target) -> bool:
+    """Whether the recorded chunk ``entry`` holds part of what is rebuilt into ``target`` (its
+    live chunk; None: the whole tensor). An unknown chunk (None) counts as overlapping: it is read,
+    and its absence is then the error."""
+    if entry is None or target is None:
+        return True
+    _, _, _, shape, offsets = dtensors.live_chunk(target)
+    return all(max(lo, o) < min(lo + n, o + m)
+               for lo, n, o, m in zip(offsets, shape, entry["offsets"], entry["shape"]))
+
+
+def _read_chunks(fset: FullSet, indexes: dict, share: int, read: dict, files: LocalFiles = LOCAL) -> None:
     """Read share ``share``'s DTensor chunks into ``read[share]`` (once), checksums checked."""
     if share in read:
         return
     path, index = fset.files[share], indexes[share]
-    with fastio.Reader(path) as reader:
+    with fastio.Reader(files.ready(path)) as reader:
         own, _ = read_own(path, reader, index)
     read[share] = {k: (index.dtensors[k], torch.frombuffer(data, dtype=dtype_from_name(e.dtype, path))
                        if e.nbytes else torch.empty(0, dtype=dtype_from_name(e.dtype, path)))
                    for k, (e, data) in own.items() if k in index.dtensors}
 
 
-def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict) -> tuple:
+def _recorded_chunk(fset: FullSet, indexes: dict, share: int, key: str, read: dict,
+                    files: LocalFiles = LOCAL) -> tuple:
     """(chunk entry, tensor) of ``key`` in share ``share``, its checksum checked."""
-    _read_chunks(fset, indexes, share, read)
+    _read_chunks(fset, indexes, share, read, files)
     if key not in read[share]:
         raise CorruptCheckpointError(fset.files[share], f"share {share} holds no chunk of {key!r}")
     return read[share][key]

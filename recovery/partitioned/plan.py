@@ -8,6 +8,7 @@ import os
 
 import torch.distributed as dist
 
+import fastio
 from lowdiff.distributed.partition import (
     describe_ranges,
     full_sets,
@@ -19,6 +20,37 @@ from lowdiff.distributed.partition import (
 )
 from lowdiff.errors import CheckpointError, MissingDeviceError
 from recovery.plan import warn
+
+
+class LocalFiles:
+    """A partitioned directory's files as they are on disk: how recovery reaches them by default.
+    recovery.partitioned.bucket implements the same for a bucket, whose files arrive while the
+    restore runs. Call order: ``views`` and ``count_of`` while rank 0 surveys; ``expect(fset,
+    shares)`` before a set is loaded (the shares this rank reads, in that order); ``ready(path)``
+    before a file is opened whole (the path to open: this rank's copy); ``index_reader(path)``
+    for a file whose index alone is read (a context manager with ``read(offset, n)`` and
+    ``size``). ``remote``: whether a rank holds only the files it reads (the ranks then exchange
+    the full shares' indexes instead of each reading all)."""
+
+    remote = False
+
+    def views(self) -> dict | None:
+        return None   # read from the rank directories
+
+    def count_of(self, step: int, session: str) -> int | None:
+        return None   # read from a share's index
+
+    def expect(self, fset: FullSet, shares: list) -> None:
+        pass
+
+    def ready(self, path: str) -> str:
+        return path
+
+    def index_reader(self, path: str):
+        return fastio.Reader(path)
+
+
+LOCAL = LocalFiles()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +76,12 @@ class Survey:
     missing: dict = dataclasses.field(default_factory=dict)   # {rank: [steps]}: rank directories sets need, absent
 
 
-def plan(root: str, stop_step: int | None, views: dict | None = None) -> Survey:
+def plan(root: str, stop_step: int | None, views: dict | None = None, count_of=None) -> Survey:
     """The complete full sets of the partitioned directory ``root`` (at or before ``stop_step``),
     from the reconciled view of every rank directory: a rank whose manifest is missing or damaged
     has its list rebuilt from its share files (warned), so no durable share is lost with it.
-    ``views`` (lowdiff.distributed.partition.read_views): already taken, their notes reported by the caller."""
+    ``views`` (lowdiff.distributed.partition.read_views): already taken, their notes reported by the caller;
+    ``count_of(step, session)``: a set's share count, where its shares are not on disk."""
     if views is None:   # (files of another format version block only the newest state, as in recovery.restore)
         views = read_views(root, skip_other_versions=stop_step is not None)
         for inventory in views.values():
@@ -57,7 +90,7 @@ def plan(root: str, stop_step: int | None, views: dict | None = None) -> Survey:
     manifests = {rank: inventory.manifest for rank, inventory in views.items()}
     newest = max([b.last for m in manifests.values() for b in m.batches] +
                  [f.step for m in manifests.values() for f in m.fulls], default=-1)
-    every = full_sets(root, manifests)
+    every = full_sets(root, manifests, count_of)
     sets: list[FullSet] = []
     for fset in reversed(every):
         if stop_step is not None and fset.step > stop_step:
@@ -93,23 +126,23 @@ def plan(root: str, stop_step: int | None, views: dict | None = None) -> Survey:
                   missing_rank_directories(root, manifests, every))
 
 
-def plan_sets(root: str, stop_step: int | None) -> tuple[list, int]:
+def plan_sets(root: str, stop_step: int | None, files: LocalFiles = LOCAL) -> tuple[list, int]:
     """(complete full sets at or before ``stop_step``, newest first; the newest step any rank
     directory lists)."""
-    found = plan(root, stop_step)
+    found = plan(root, stop_step, files.views(), files.count_of)
     return found.sets, found.newest
 
 
-def broadcast_plan(root: str, stop_step: int | None, world: int) -> Survey:
+def broadcast_plan(root: str, stop_step: int | None, world: int, files: LocalFiles = LOCAL) -> Survey:
     """Rank 0's survey, on every rank. What it raised surveying is raised on every rank (a rank
     directory's drive not mounted: MissingDeviceError by name), so no rank waits for a plan."""
     if world == 1:
-        return plan(root, stop_step)
+        return plan(root, stop_step, files.views(), files.count_of)
     error: CheckpointError | None = None
     found: list = [None]
     if dist.get_rank() == 0:
         try:
-            found = [plan(root, stop_step)]
+            found = [plan(root, stop_step, files.views(), files.count_of)]
         except CheckpointError as exc:
             error, found = exc, [(isinstance(exc, MissingDeviceError), str(exc))]
     dist.broadcast_object_list(found, src=0)

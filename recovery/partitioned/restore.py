@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from lowdiff.distributed.dtensors import LocalGradTarget
 from lowdiff.distributed.partition import missing_directory_error, rank_directory
-from lowdiff.errors import CorruptCheckpointError, NoCheckpointError, VersionMismatchError
+from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, VersionMismatchError
 from lowdiff.format.schema import FullIndex
 from lowdiff.format.sharefile import read_diff_share_index
 from recovery.execute import Restored, execute
 from recovery.partitioned.chain import MergedShares, ShareFiles, chain_reach
-from recovery.partitioned.load import full_index, load_set
-from recovery.partitioned.plan import FullSet, broadcast_plan
+from recovery.partitioned.load import full_index, load_set, reads_of
+from recovery.partitioned.plan import LOCAL, FullSet, LocalFiles, broadcast_plan
 from recovery.pipeline.replay import replay
 from recovery.plan import Candidate, Loaded, Plan, warn
 
@@ -35,39 +35,42 @@ from recovery.plan import Candidate, Loaded, Plan, warn
 REPLAY_WINDOW = 8
 
 
-def _exchange_indexes(root: str, fset: FullSet, rank: int, world: int) -> list:
+def _exchange_indexes(root: str, fset: FullSet, rank: int, world: int, files: LocalFiles = LOCAL) -> list:
     """[ShareFiles] of every share, with its files' indexes (rank ``i mod world`` reads share i's
-    and sends them; a file whose index cannot be read ends that share's list, with the reason)."""
+    and sends them; a file whose index cannot be read ends that share's list, with the reason).
+    Only the indexes are read (``files.index_reader``): a file fetched from a bucket arrives
+    whole when the replay reaches it."""
     shares = []
     for i, names in enumerate(fset.chains):
         reader_rank = i % world
-        files: list = []
+        listed: list = []
         if reader_rank == rank:
             for name in names:
                 path = os.path.join(rank_directory(root, i), name)
                 try:
-                    files.append((path, read_diff_share_index(path)))
+                    with files.index_reader(path) as reader:
+                        listed.append((path, read_diff_share_index(path, reader)))
                 except VersionMismatchError as exc:   # not damage: raised on every rank below
-                    files.append((path, ("version", exc.problem)))
+                    listed.append((path, ("version", exc.problem)))
                     break
                 except CorruptCheckpointError as exc:
-                    files.append((path, str(exc)))
+                    listed.append((path, str(exc)))
                     break
                 except OSError as exc:
-                    files.append((path, f"{path} cannot be read ({exc})"))
+                    listed.append((path, f"{path} cannot be read ({exc})"))
                     break
         if world > 1:
-            sent = [files]
+            sent = [listed]
             dist.broadcast_object_list(sent, src=reader_rank)
-            files = sent[0]
-        for path, index in files:
+            listed = sent[0]
+        for path, index in listed:
             if isinstance(index, tuple):
                 raise VersionMismatchError(path, index[1])
-        shares.append(ShareFiles(i, tuple(files)))
+        shares.append(ShareFiles(i, tuple(listed)))
     return shares
 
 
-def _fetcher(shares: list, rank: int, world: int):
+def _fetcher(shares: list, rank: int, world: int, files: LocalFiles = LOCAL):
     """sharechain's ``fetch``: rank ``share mod world`` reads the file and sends it to the others
     (a collective: every rank calls it for the same files in the same order)."""
     def fetch(share: int, position: int):
@@ -76,8 +79,8 @@ def _fetcher(shares: list, rank: int, world: int):
         data = None
         if reader_rank == rank:
             try:
-                data = _read_whole(path)
-            except OSError as exc:
+                data = _read_whole(files.ready(path))
+            except (CheckpointError, OSError) as exc:
                 warn(f"lowdiff: {path} cannot be read ({exc}); the chain of share {share} ends before it")
         if world > 1:
             size = [-1 if data is None else data.numel()]
@@ -116,14 +119,14 @@ def _note_world_change(fset: FullSet, rank: int, world: int) -> None:
 
 
 def _replay_chain(root: str, fset: FullSet, index: FullIndex, rank: int, world: int, *, params, optimizer,
-                  stop_step, workers, times, as_share: int | None = None):
+                  stop_step, workers, times, as_share: int | None = None, files: LocalFiles = LOCAL):
     """Exchange and replay the differential shares continuing ``fset``: (last step, its record)."""
-    shares = _exchange_indexes(root, fset, rank, world)
+    shares = _exchange_indexes(root, fset, rank, world, files)
     try:
         live = {slot: p.param for slot, p in enumerate(params) if isinstance(p, LocalGradTarget)}
         own = as_share if as_share is not None else rank if rank < fset.count else None
         merged = MergedShares(root, shares, fset.step, len(index.param_names), own, warn,
-                              _fetcher(shares, rank, world), live, own_chunks=as_share is not None)
+                              _fetcher(shares, rank, world, files), live, own_chunks=as_share is not None)
     except CorruptCheckpointError as exc:   # every rank decodes the same bytes: all stop here
         warn(f"lowdiff: {exc}; resuming at step {fset.step}, the full checkpoint's step")
         return fset.step, None
@@ -140,16 +143,17 @@ def _process_group() -> tuple[int, int]:
     return 0, 1
 
 
-def plan_partitioned(root: str, *, check_full, stop_step: int | None = None) -> Plan:
+def plan_partitioned(root: str, *, check_full, stop_step: int | None = None, files: LocalFiles = LOCAL) -> Plan:
     """The frozen plan of the partitioned directory ``root`` (at or before ``stop_step``), the same
     on every rank (see the module doc). Refuses, before any live object changes: rank directories
     that the sets need and that are absent, a ``stop_step`` no complete set reaches by the
     manifests, and one that the first set to verify (the one a resume would take) does not reach
     by the manifests or by its differential files' indexes (exchanged as the replay does; no record
     is read). Such a set is read for that into memory of its own (a collective), not into the
-    caller's tensors; one that does not verify is skipped, as the executor would."""
+    caller's tensors; one that does not verify is skipped, as the executor would. ``files``: how
+    the files are reached (LocalFiles)."""
     rank, world = _process_group()
-    found = broadcast_plan(root, stop_step, world)
+    found = broadcast_plan(root, stop_step, world, files)
     if found.missing:   # (on every rank alike: the plan is rank 0's)
         raise missing_directory_error(root, found.missing)
     if stop_step is not None and not any(first <= stop_step <= last for first, last in found.ranges):
@@ -160,11 +164,12 @@ def plan_partitioned(root: str, *, check_full, stop_step: int | None = None) -> 
         fset = candidates[0].source
         notes: list = []
         reach = fset.reach if fset.reach < stop_step else \
-            chain_reach(_exchange_indexes(root, fset, rank, world), fset.step, notes.append)
+            chain_reach(_exchange_indexes(root, fset, rank, world, files), fset.step, notes.append)
         if reach >= stop_step:
             break
         candidates.pop(0)
-        if load_set(fset, rank, world, check_full, None) is not None:
+        files.expect(fset, reads_of(fset, rank, world))
+        if load_set(fset, rank, world, check_full, None, files=files) is not None:
             for note in notes:   # why the files end early (the replay would have said it)
                 warn(note)
             raise NoCheckpointError(f"{root}: step {stop_step} cannot be rebuilt; the newest reachable is {reach}")
@@ -180,8 +185,10 @@ class PartitionedLayout:
     """How recovery.execute reads a partitioned directory's files on this rank (``into()``: the
     live tensors the shared state is read straight into; ``workers``: the replay's threads)."""
 
-    def __init__(self, check_full, into, workers: int | None, as_share: int | None = None):
+    def __init__(self, check_full, into, workers: int | None, as_share: int | None = None,
+                 files: LocalFiles = LOCAL):
         self._as_share = as_share   # see load_set: one process exporting one share's chunks
+        self._files = files
         self._check_full = check_full
         self._into = into
         self._workers = workers
@@ -193,7 +200,8 @@ class PartitionedLayout:
             skipped.append((os.path.basename(fset.files[0]), f"the set of step {fset.step} has no share "
                                                              f"{self._as_share} ({fset.count} shares)"))
             return None
-        loaded = load_set(fset, self._rank, self._world, self._check_full, self._into, self._as_share)
+        self._files.expect(fset, reads_of(fset, self._rank, self._world, self._as_share))
+        loaded = load_set(fset, self._rank, self._world, self._check_full, self._into, self._as_share, self._files)
         if loaded is None:
             skipped.append(_skipped(fset))
             return None
@@ -206,7 +214,7 @@ class PartitionedLayout:
     def replay(self, plan: Plan, candidate: Candidate, loaded: Loaded, params: list, optimizer, times) -> tuple:
         return _replay_chain(plan.directory, candidate.source, loaded.index, self._rank, self._world, params=params,
                              optimizer=optimizer, stop_step=plan.target, workers=self._workers, times=times,
-                             as_share=self._as_share)
+                             as_share=self._as_share, files=self._files)
 
     def release(self, loaded: Loaded) -> None:
         pass   # _replay_chain closes the chain it fetched
@@ -217,11 +225,13 @@ class PartitionedLayout:
 
 
 def restore_partitioned(root: str, *, check_full, apply_full, params_for, optimizer_for, stop_step=None,
-                        workers=None, into=None, as_share: int | None = None) -> tuple[Restored | None, bool]:
+                        workers=None, into=None, as_share: int | None = None,
+                        files: LocalFiles = LOCAL) -> tuple[Restored | None, bool]:
     """Restore the newest state of the partitioned directory ``root`` (at or before ``stop_step``),
     on every rank of the process group alike: ``plan_partitioned``, then recovery.execute. Returns
     (what was restored, or None when no complete set exists; whether this rank got its own
-    per-rank state back). Callbacks and ``into`` as recovery.restore; ``as_share`` as load_set."""
-    plan = plan_partitioned(root, check_full=check_full, stop_step=stop_step)
-    return execute(plan, PartitionedLayout(check_full, into, workers, as_share), apply_full=apply_full,
+    per-rank state back). Callbacks and ``into`` as recovery.restore; ``as_share`` as load_set;
+    ``files``: how the files are reached (recovery.partitioned.plan.LocalFiles)."""
+    plan = plan_partitioned(root, check_full=check_full, stop_step=stop_step, files=files)
+    return execute(plan, PartitionedLayout(check_full, into, workers, as_share, files), apply_full=apply_full,
                    params_for=params_for, optimizer_for=optimizer_for)

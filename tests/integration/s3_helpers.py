@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import socketserver
 import subprocess
@@ -145,8 +146,10 @@ class FaultProxy:
 
     def take(self, head: bytes) -> str | None:
         first = head.split(b"\r\n", 1)[0]
+        ranged = re.search(rb"\r\nrange: *([^\r]*)", head, re.IGNORECASE)
         with self._lock:
-            self.seen.append(first.decode("latin-1"))
+            # ("[range bytes=A-B]" after a ranged GET's first line: a part of the object, not all of it)
+            self.seen.append(first.decode("latin-1") + (f" [range {ranged.group(1).decode()}]" if ranged else ""))
             for rule in self.rules:
                 if rule[1] > 0 and rule[2] in first:
                     rule[1] -= 1

@@ -242,3 +242,22 @@ def test_full_copy_in_step_copies_before_step_returns_and_resumes_exactly(tmp_pa
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="full_copy"):
         lowdiff.Options(full_copy="later")
+
+
+def test_staging_is_registered_with_the_engine_while_training_and_let_go_at_close(tmp_path):
+    # Fixed I/O: the engine pins the staging pages once, not at every write, and holds the buffer
+    # while registered; close() must let it go, or the process-wide engine would keep it forever.
+    engine = fastio.engine()
+    if engine.name != "uring":
+        pytest.skip(f"fixed I/O is io_uring's: this process uses {engine.name}")
+    directory, model, opt, sched, sampler = trained(tmp_path, 2 * FULL_EVERY)
+    opt.flush()
+    staging = opt._fulls._snapshot._buffer
+    if engine.registered is not staging:
+        pytest.skip("the kernel refused the registration (memlock limit?)")
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+    assert engine.registered is None
+    # What the registered staging wrote is the state, byte for byte.
+    newest = max(full_checkpoints(directory).items())[1]
+    assert_model_in_checkpoint(newest, reference)

@@ -414,3 +414,22 @@ def test_a_damaged_bucket_commit_fails_the_drain_not_wrap(s3, tmp_path):
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"s3://{s3.bucket}/{key}")) as raised:
         train(str(tmp_path / "node1"), 8, full_every=5, batch_steps=2, tiers=tiers, log=said.append)
     assert said[0] == "tier local" and "keeps its checkpoints" in " ".join(raised.value.__notes__)
+
+
+def test_retries_of_the_drainer_leave_the_training_random_state_alone(s3):
+    """The retries' jitter (S3Client.retrying) runs in the drainer's thread while training runs:
+    drawn from Python's global ``random`` it moved the state a step boundary captures, so a run
+    that resumed from the bucket and trained on differed from the uninterrupted one in its per-rank
+    RNG whenever a request had been retried (seen in test_s3_partitioned under load)."""
+    import random
+
+    from lowdiff.tiers.objectstore import S3Client
+
+    client = S3Client(parse_s3_url(f"s3://{s3.bucket}/rng"), ObjectStore(deadline_s=30.0))
+    random.seed(1234)
+    state = random.getstate()
+    s3.proxy.fail("503", 3, match="/rng/object")
+    client.put("object", b"x")                               # three SlowDown answers, then done
+    assert client.get("object") == b"x"
+    assert sum("/rng/object" in line for line in s3.proxy.seen) >= 4
+    assert random.getstate() == state

@@ -424,11 +424,12 @@ def test_the_initial_guess_measures_everything_soon_and_fits_any_memory_budget()
 
 
 def test_learning_moves_each_setting_at_most_a_factor_per_measured_full_checkpoint():
-    """A full checkpoint measured once at 1 ms makes F=4 the optimum: until LEARNING_FULL_COSTS
+    """A full checkpoint measured once at 0.7 ms makes F=4 the optimum (at 1 ms F is 4 or 5, a
+    near tie, 5 in the model exact for Poisson failures): until LEARNING_FULL_COSTS
     full checkpoints are measured, each decision moves F at most a factor LEARNING_FACTOR from
     the settings in force, and only after a new measured full checkpoint; then it moves freely."""
     controller = Controller(WrapConfig(full_every="auto", batch_steps="auto", failure_rate_per_hour=360.0))
-    cheap = dict(stall_s=0.001, persist_s=0.01, full_bytes=10_000_000, learned=False)
+    cheap = dict(stall_s=0.0007, persist_s=0.01, full_bytes=10_000_000, learned=False)
     feed(controller, **cheap)
     optimum = solve(controller.costs(), controller.limits)
     assert optimum.full_every <= AUTO_INITIAL_FULL_EVERY // LEARNING_FACTOR**2

@@ -1,0 +1,121 @@
+"""The lives of experiments/tune_frequency.py's real SIGKILL runs: their lengths, and a timeline of
+each life written as it happens, so the scale model's validation (experiments/scale_model.py
+--validate) can take its inputs from the run itself.
+
+A timeline is a text file, one event a line, ``time.monotonic()`` seconds (one clock for the
+driver and its children on Linux):
+
+    life  T                           the driver, just before it starts a trainer
+    resumed T LOAD_S REPLAY_S N       the trainer, when recovery.resume returned (N records replayed)
+    step  T F/B                       the trainer, at the end of each step (F/off: no differentials)
+    end   T                           the driver, once the trainer it SIGKILLed is reaped
+
+Each line is one os.write on a file opened O_APPEND, and the driver writes only while no trainer
+runs: lines never interleave, and a trainer killed mid-step leaves whole lines behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import numpy as np
+
+
+def stratified_lives(rng: np.random.Generator, mtbf_s: float, budget_s: float) -> list[float]:
+    """About ``budget_s / mtbf_s`` lives whose lengths are exponential with mean ``mtbf_s``, drawn
+    stratified: life i is the exponential's quantile at (i + u) / n for one uniform u, in random
+    order. Each life alone is exponential (what the model assumes of failures), and the n lives
+    cover the distribution evenly, so a run of a few lives is not decided by where a handful of
+    independent draws happen to fall (with 4-8 independent lives, the kills' positions in the
+    full-checkpoint interval moved a run's goodput by tens of percent)."""
+    n = max(1, round(budget_s / mtbf_s))
+    quantiles = (np.arange(n) + rng.random()) / n
+    return [float(x) for x in rng.permutation(-mtbf_s * np.log1p(-quantiles))]
+
+
+def write(path: str, *fields: object) -> None:
+    """Append one event (see the module docstring) to the timeline at ``path``."""
+    line = " ".join([str(fields[0]), f"{time.monotonic():.6f}", *(str(f) for f in fields[1:])]) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class Life:
+    start: float
+    end: float = math.nan
+    load_s: float = 0.0          # nothing to load in a fresh directory's first life
+    replay_s: float = 0.0
+    replayed: int = 0
+    resumed: bool = False
+    steps: list[float] = dataclasses.field(default_factory=list)
+    settings: list[str] = dataclasses.field(default_factory=list)
+
+
+def read(path: str) -> list[Life]:
+    """The lives in the timeline at ``path``; ValueError naming the file and line when it is not one."""
+    lives: list[Life] = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.split()
+            try:
+                kind, t = fields[0], float(fields[1])
+                if kind == "life":
+                    lives.append(Life(start=t))
+                    continue
+                life = lives[-1]
+                if kind == "end":
+                    life.end = t
+                elif kind == "resumed":
+                    life.resumed, life.load_s, life.replay_s, life.replayed = \
+                        True, float(fields[2]), float(fields[3]), int(fields[4])
+                elif kind == "step":
+                    life.steps.append(t)
+                    life.settings.append(fields[2])
+                else:
+                    raise ValueError(f"unknown event {kind!r}")
+            except (IndexError, ValueError) as error:
+                raise ValueError(f"{path}, line {number}: not a timeline event ({error}): {line.strip()!r}") from None
+    return lives
+
+
+def summarize(lives: list[Life]) -> dict:
+    """What the run spent, measured, for the model's inputs:
+
+    wall_s: the lives' total, from each trainer's start to its SIGKILL (the kill included);
+    step_s: the mean wall time of a step in steady state: the time between consecutive step ends
+      within a life, over every life (checkpoint stalls, recording and the writers' competition for
+      the CPU included, as the model's step time with full checkpoints amortised, and as the load
+      of the machine made it during the run, not during the last 63 steps);
+    before_s: the mean time from a trainer's start to the end of its first step, less one steady
+      step: restart (fork, imports, model build, wrap), load, replay, the base checkpoint and the
+      first step's warm-up; over the lives that finished a step;
+    load_s: resume's load time, mean over the lives that resumed (a life killed before it is not
+      a load of 0 s; the first life of a fresh directory loads nothing, as the model's first
+      failure's restart would);
+    replay_s / replayed: resume's replay time and the records it replayed, in total;
+    settings: the settings in force at each step, counted."""
+    if not lives or any(math.isnan(life.end) for life in lives):
+        raise ValueError("a life without its end: the run was interrupted")
+    within = [(life.steps[-1] - life.steps[0], len(life.steps) - 1) for life in lives if len(life.steps) > 1]
+    spans, intervals = sum(s for s, _ in within), sum(n for _, n in within)
+    step_s = spans / intervals if intervals else math.nan
+    started = [life for life in lives if life.steps]
+    before = [life.steps[0] - life.start - step_s for life in started]
+    counts: dict[str, int] = {}
+    for life in lives:
+        for s in life.settings:
+            counts[s] = counts.get(s, 0) + 1
+    return {"lives": len(lives), "wall_s": sum(life.end - life.start for life in lives),
+            "steps_run": sum(len(life.steps) for life in lives), "step_s": step_s,
+            "before_s": float(np.mean(before)) if before else math.nan,
+            "before_minus_resume_s": float(np.mean([b - life.load_s - life.replay_s
+                                                     for b, life in zip(before, started)])) if before else math.nan,
+            "load_s": float(np.mean([life.load_s for life in lives if life.resumed] or [0.0])),
+            "replay_s": sum(life.replay_s for life in lives), "replayed": sum(life.replayed for life in lives),
+            "short_lives": len(lives) - len(started), "settings": counts}
