@@ -42,6 +42,8 @@ from pathlib import Path
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from blockthrottle import LoopDevice, Throttle, default_image_dir  # noqa: E402  (experiments/blockthrottle.py)
 
 TARGET = 0.9
 DEVICES = 4
@@ -53,23 +55,15 @@ def parse_size(text: str) -> int:
     return int(float(digits) * UNITS[text[len(digits):].upper()])
 
 
-def default_image_dir() -> str:
-    with open("/proc/mounts") as mounts:
-        if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts):
-            return "/dev/shm"
-    return "/var/tmp"
-
-
 class Drives:
     """N throttled loop devices (or plain directories when that cannot be set up): ``roots`` are
-    directories on them, ``preexec`` joins the cgroup, ``close`` tears it all down."""
+    directories on them, ``preexec`` joins the cgroup, ``close`` tears it all down
+    (experiments/blockthrottle.py)."""
 
     def __init__(self, count: int, mbps: float, image_mb: int, workdir: Path, image_dir: str):
         self.notes: list[str] = []
-        self.loops: list[str] = []
-        self.images: list[Path] = []
-        self.mounts: list[Path] = []
-        self.cgroup: Path | None = None
+        self.devices: list[LoopDevice] = []
+        self._throttle: Throttle | None = None
         self.throttle = "none"
         self.kind = "plain directories on the local disk: NOT separate drives"
         self.roots = [workdir / f"plain{k}" for k in range(count)]
@@ -80,88 +74,40 @@ class Drives:
             return
         try:
             for k in range(count):
-                self._make_loop(k, image_mb, workdir, image_dir)
+                self.devices.append(LoopDevice.create(image_mb << 20, workdir / f"drive{k}", image_dir,
+                                                      f"lowdiff-stripe{k}-"))
         except (OSError, subprocess.CalledProcessError) as exc:
             self.notes.append(f"loop device setup failed ({exc}): plain directories")
             self._teardown()
             for r in self.roots:
                 r.mkdir(parents=True, exist_ok=True)
             return
-        self.roots = [m / "ckpt" for m in self.mounts]
+        self.roots = [d.mount / "ckpt" for d in self.devices if d.mount is not None]
         for r in self.roots:
             r.mkdir()
-        self.kind = f"{count} ext4 loop devices {', '.join(self.loops)} (images under {image_dir})"
+        loops = ", ".join(str(d.loop) for d in self.devices)
+        self.kind = f"{count} ext4 loop devices {loops} (images under {image_dir})"
         try:
-            self._make_cgroup(int(mbps * 1e6))
+            self._throttle = Throttle([d.number for d in self.devices], int(mbps * 1e6),
+                                      f"lowdiff-stripe-{os.getpid()}")
+            self.throttle = self._throttle.describe
+            self.notes += self._throttle.notes
         except OSError as exc:
             self.notes.append(f"no throttle could be set ({exc}): the loop devices run at full speed")
 
-    def _make_loop(self, k: int, image_mb: int, workdir: Path, image_dir: str) -> None:
-        image = Path(tempfile.mkstemp(prefix=f"lowdiff-stripe{k}-", suffix=".img", dir=image_dir)[1])
-        self.images.append(image)
-        os.truncate(image, image_mb << 20)
-        loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(image)], check=True,
-                              capture_output=True, text=True).stdout.strip()
-        self.loops.append(loop)
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop],
-                       check=True, capture_output=True)
-        mount = workdir / f"drive{k}"
-        mount.mkdir()
-        subprocess.run(["mount", "-o", "noatime", loop, str(mount)], check=True, capture_output=True)
-        self.mounts.append(mount)
-
-    def _make_cgroup(self, bps: int) -> None:
-        devices = [f"{os.major(os.stat(d).st_rdev)}:{os.minor(os.stat(d).st_rdev)}" for d in self.loops]
-        name = f"lowdiff-stripe-{os.getpid()}"
-        for v2_root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
-            controllers = v2_root / "cgroup.controllers"
-            if controllers.exists() and "io" in controllers.read_text().split():
-                (v2_root / "cgroup.subtree_control").write_text("+io")
-                self.cgroup = v2_root / name
-                self.cgroup.mkdir()
-                for device in devices:
-                    (self.cgroup / "io.max").write_text(f"{device} rbps={bps} wbps={bps}")
-                self.throttle = f"cgroup v2 io.max rbps=wbps={bps / 1e6:.0f} MB/s on each of {', '.join(devices)}"
-                return
-        v1 = Path("/sys/fs/cgroup/blkio")
-        if not (v1 / "blkio.throttle.write_bps_device").exists():
-            raise OSError("neither cgroup v2 io.max nor cgroup v1 blkio throttling is available")
-        self.cgroup = v1 / name
-        self.cgroup.mkdir()
-        for device in devices:
-            (self.cgroup / "blkio.throttle.write_bps_device").write_text(f"{device} {bps}")
-            (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{device} {bps}")
-        self.throttle = (f"cgroup v1 blkio.throttle read/write {bps / 1e6:.0f} MB/s on each of "
-                         f"{', '.join(devices)}")
-
     def preexec(self):
-        if self.cgroup is None:
-            return None
-        procs = str(self.cgroup / "cgroup.procs")
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-        return join
+        return None if self._throttle is None else self._throttle.preexec()
 
     def close(self) -> None:
-        if self.cgroup is not None:
-            try:
-                self.cgroup.rmdir()
-            except OSError as exc:
-                print(f"warning: could not remove cgroup {self.cgroup}: {exc}", file=sys.stderr)
-            self.cgroup = None
+        if self._throttle is not None:
+            self._throttle.close()
+            self._throttle = None
         self._teardown()
 
     def _teardown(self) -> None:
-        for mount in self.mounts:
-            if os.path.ismount(mount):
-                subprocess.run(["umount", str(mount)], check=False)
-        for loop in self.loops:
-            subprocess.run(["losetup", "-d", loop], check=False)
-        for image in self.images:
-            image.unlink(missing_ok=True)
-        self.mounts, self.loops, self.images = [], [], []
+        for device in self.devices:
+            device.close()
+        self.devices = []
 
 
 # ------------------------------------------------------------------ the measuring child

@@ -38,7 +38,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_stripe import DEVICES, Drives, default_image_dir  # noqa: E402  (experiments/bench_stripe.py)
+from bench_stripe import DEVICES, Drives  # noqa: E402  (experiments/bench_stripe.py)
+from blockthrottle import default_image_dir  # noqa: E402  (experiments/blockthrottle.py)
 
 
 def _drop_cache(directories) -> None:

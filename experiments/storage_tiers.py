@@ -81,6 +81,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from blockthrottle import LoopDevice, Throttle, default_image_dir  # noqa: E402  (experiments/blockthrottle.py)
+
 BUCKET = "lowdiff-bench"
 
 
@@ -108,27 +111,15 @@ CONFIGS = ("local-only", "direct-slow", "staged", "staged-keepall", "staged-s3")
 
 
 # ---------------------------------------------------------------------------- the slow tier
-def default_image_dir() -> str:
-    """/dev/shm when it is a tmpfs (the image's pages then cost RAM only as they are written), else /var/tmp."""
-    try:
-        with open("/proc/mounts") as mounts:
-            if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts):
-                return "/dev/shm"
-    except OSError:
-        pass
-    return "/var/tmp"
-
-
 class SlowTier:
     """A throttled filesystem for the shared tier (or the user's mount). ``describe`` says what it
-    is; ``preexec`` puts a child process into the throttled cgroup; ``close`` tears it all down."""
+    is; ``preexec`` puts a child process into the throttled cgroup; ``close`` tears it all down
+    (experiments/blockthrottle.py)."""
 
     def __init__(self, shared_dir: str | None, image_gb: int, mbps: float, workdir: Path, image_dir: str):
         self.notes: list[str] = []
-        self.mount: Path | None = None
-        self.loop: str | None = None
-        self.image: Path | None = None
-        self.cgroup: Path | None = None
+        self.device: LoopDevice | None = None
+        self._throttle: Throttle | None = None
         self.throttle = "none"
         if shared_dir is not None:
             self.root = Path(shared_dir).resolve()
@@ -142,90 +133,37 @@ class SlowTier:
             self.root.mkdir(parents=True, exist_ok=True)
             return
         try:
-            self._make_loop(image_gb, workdir, image_dir)
+            self.device = LoopDevice.create(image_gb << 30, workdir / "slow-mount", image_dir, "lowdiff-tiers-")
         except (OSError, subprocess.CalledProcessError) as exc:
             self.notes.append(f"loop device setup failed ({exc}); falling back")
-            self._teardown_loop()
             self.root.mkdir(parents=True, exist_ok=True)
             return
-        self.root = self.mount / "shared"  # type: ignore[operator]
+        assert self.device.mount is not None
+        self.root = self.device.mount / "shared"
         self.root.mkdir()
-        self.kind = f"ext4 on {self.loop} (backed by {self.image}), mounted at {self.mount}"
+        self.kind = f"ext4 on {self.device.loop} (backed by {self.device.image}), mounted at {self.device.mount}"
         try:
-            self._make_cgroup(int(mbps * 1e6))
+            self._throttle = Throttle([self.device.number], int(mbps * 1e6), f"lowdiff-tiers-{os.getpid()}")
+            self.throttle = self._throttle.describe
+            self.notes += self._throttle.notes
         except OSError as exc:
             self.notes.append(f"no block-I/O throttle could be set ({exc}): the loop device runs at full speed")
 
-    def _make_loop(self, image_gb: int, workdir: Path, image_dir: str) -> None:
-        self.image = Path(tempfile.mkstemp(prefix="lowdiff-tiers-", suffix=".img", dir=image_dir)[1])
-        os.truncate(self.image, image_gb << 30)
-        self.loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(self.image)], check=True,
-                                   capture_output=True, text=True).stdout.strip()
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", self.loop],
-                       check=True, capture_output=True)
-        self.mount = workdir / "slow-mount"
-        self.mount.mkdir()
-        subprocess.run(["mount", "-o", "noatime", self.loop, str(self.mount)], check=True, capture_output=True)
-
-    def _make_cgroup(self, bps: int) -> None:
-        assert self.loop is not None
-        rdev = os.stat(self.loop).st_rdev
-        device = f"{os.major(rdev)}:{os.minor(rdev)}"
-        name = f"lowdiff-tiers-{os.getpid()}"
-        for v2_root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
-            controllers = v2_root / "cgroup.controllers"
-            if controllers.exists() and "io" in controllers.read_text().split():
-                (v2_root / "cgroup.subtree_control").write_text("+io")
-                self.cgroup = v2_root / name
-                self.cgroup.mkdir()
-                (self.cgroup / "io.max").write_text(f"{device} rbps={bps} wbps={bps}")
-                self.throttle = f"cgroup v2 io.max {device} rbps={bps} wbps={bps} ({bps / 1e6:.0f} MB/s each way)"
-                return
-        self.notes.append("cgroup v2 has no io controller here (io.max unavailable): using cgroup v1 blkio "
-                          "throttling, the same kernel blk-throttle")
-        v1 = Path("/sys/fs/cgroup/blkio")
-        if not (v1 / "blkio.throttle.write_bps_device").exists():
-            raise OSError("neither cgroup v2 io.max nor cgroup v1 blkio throttling is available")
-        self.cgroup = v1 / name
-        self.cgroup.mkdir()
-        (self.cgroup / "blkio.throttle.write_bps_device").write_text(f"{device} {bps}")
-        (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{device} {bps}")
-        self.throttle = (f"cgroup v1 blkio.throttle read/write_bps_device {device} {bps} "
-                         f"({bps / 1e6:.0f} MB/s each way)")
-
     def preexec(self):
         """For subprocess.Popen(preexec_fn=...): join the throttled cgroup before exec."""
-        if self.cgroup is None:
-            return None
-        procs = str(self.cgroup / "cgroup.procs")
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-        return join
+        return None if self._throttle is None else self._throttle.preexec()
 
     def describe(self) -> list[str]:
         return [f"shared tier: {self.kind}", f"throttle:    {self.throttle}"] + \
             [f"note:        {n}" for n in self.notes]
 
     def close(self) -> None:
-        if self.cgroup is not None:
-            try:
-                self.cgroup.rmdir()
-            except OSError as exc:
-                print(f"warning: could not remove cgroup {self.cgroup}: {exc}", file=sys.stderr)
-            self.cgroup = None
-        self._teardown_loop()
-
-    def _teardown_loop(self) -> None:
-        if self.mount is not None and os.path.ismount(self.mount):
-            subprocess.run(["umount", str(self.mount)], check=False)
-        if self.loop is not None:
-            subprocess.run(["losetup", "-d", self.loop], check=False)
-            self.loop = None
-        if self.image is not None:
-            self.image.unlink(missing_ok=True)
-            self.image = None
+        if self._throttle is not None:
+            self._throttle.close()
+            self._throttle = None
+        if self.device is not None:
+            self.device.close()
+            self.device = None
 
 
 # ---------------------------------------------------------------------------- one configuration (child)

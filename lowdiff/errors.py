@@ -52,6 +52,7 @@ class MissingRankDirectoryError(CheckpointError):
 
 
 class MissingDeviceError(CheckpointError):
-    """A striped full checkpoint, or a differential batch on another drive, names a device
-    directory that does not exist (a drive not mounted). Never read as empty and never a reason
+    """A striped full checkpoint, a differential batch on another drive, or a rank directory on
+    another drive (rank-NNNNN/DRIVE.json) names a device directory that does not exist (a drive
+    not mounted). Never read as empty and never a reason
     to delete: the message names the directory."""

@@ -10,6 +10,7 @@ from lowdiff.distributed.partition import (
     durable_step,
     full_sets,
     missing_rank_directories,
+    rank_directory,
     read_views,
     retained_ranges,
 )
@@ -72,6 +73,10 @@ def describe(root: str, warn=None) -> list[str]:
     lines = [f"directory      {os.path.abspath(root)} (partitioned: {len(views)} rank directories)",
              f"durable step   {max(durable_step(manifests, sets), 0)} (every share of a complete set reaches it)",
              f"retained       {describe_ranges(retained_ranges(manifests, sets), sets)}"]
+    for rank in sorted(views):   # (a rank directory on another drive: docs/format.md, "Rank directories on ...")
+        where = rank_directory(root, rank)
+        if os.path.abspath(os.path.dirname(where)) != os.path.abspath(root):
+            lines.append(f"  rank-{rank:05d}: on {where}")
     for rank, steps in sorted(missing_rank_directories(root, manifests, sets).items()):
         lines.append(f"  rank-{rank:05d}: MISSING: the directory does not exist, and the full checkpoints of "
                      f"steps {', '.join(map(str, sorted(steps)))} need its shares (mount or copy it back; "
@@ -91,7 +96,7 @@ def describe(root: str, warn=None) -> list[str]:
         total = sum(f.nbytes for f in shares.values())
         state = f"complete, reaches step {fset.reach(manifests)}" if fset.complete else "INCOMPLETE (not used)"
         lines.append(f"  step {fset.step:>8}  session {fset.session}  {len(shares)} shares, {total} bytes  {state}")
-        indexes = {rank: _share_index(os.path.join(root, f"rank-{rank:05d}", full.file))
+        indexes = {rank: _share_index(os.path.join(rank_directory(root, rank), full.file))
                    for rank, full in shares.items()}
         for rank, full in shares.items():
             lines.append(f"      rank-{rank:05d}/{full.file}  {full.nbytes} bytes  {_share_summary(indexes[rank])}")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import fastio
 from lowdiff.distributed.dtensors import chunk_entry, is_dtensor
 from lowdiff.distributed.sharesnapshot import ShareSnapshot
-from lowdiff.errors import CheckpointError, MissingRankDirectoryError
+from lowdiff.errors import CheckpointError, MissingDeviceError, MissingRankDirectoryError
 from lowdiff.format.records import StepRecord, encode_record
 from lowdiff.format.sharefile import read_full_share_index, write_diff_share
 from lowdiff.step.compress import Compressed
@@ -213,22 +213,35 @@ def partition_for(root, rank: int, world: int, params: list) -> Partition | None
 
 def refuse_missing_rank_directories(root, world: int) -> None:
     """Raise MissingRankDirectoryError on every rank when ``root`` lacks a rank directory its sets
-    need (check_rank_directories). A collective when ``world`` > 1, before any rank creates its
+    need (check_rank_directories); MissingDeviceError when a rank directory's drive is not mounted
+    (lowdiff.store.rankdirs). A collective when ``world`` > 1, before any rank creates its
     own directory: a rank whose directory is missing sees it so, and the others learn it here
     instead of reading the directory that rank is about to create as empty."""
+    error: CheckpointError | None = None
+    why = None
     try:
         check_rank_directories(root)
-        why = None
-    except MissingRankDirectoryError as exc:
-        why = str(exc)
+    except CheckpointError as exc:   # (also a rank directory's drive not mounted, a damaged DRIVE.json)
+        error, why = exc, (type(exc).__name__, str(exc))
     if world > 1:
         import torch.distributed as dist
 
         said: list = [None] * world
         dist.all_gather_object(said, why)
         why = next((w for w in said if w), None)
+    if error is not None:
+        raise error
     if why:
-        raise MissingRankDirectoryError(why)
+        raise _same_error(*why)
+
+
+def _same_error(name: str, message: str) -> CheckpointError:
+    """Another rank's error, raised here too: MissingDeviceError and MissingRankDirectoryError by
+    name (what the user is told to do differs), anything else as a CheckpointError."""
+    for kind in (MissingDeviceError, MissingRankDirectoryError):
+        if kind.__name__ == name:
+            return kind(message)
+    return CheckpointError(message)
 
 
 @dataclasses.dataclass

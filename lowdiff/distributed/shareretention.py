@@ -22,10 +22,11 @@ import os
 
 from lowdiff import faults
 from lowdiff.control.controlstate import CONTROLLER_NAME
-from lowdiff.distributed.partition import Partition, rank_directories
+from lowdiff.distributed.partition import Partition
 from lowdiff.errors import CheckpointLockedError
 from lowdiff.store.directory import LOCK_NAME, CheckpointStore
 from lowdiff.store.manifest import MANIFEST_NAME, Manifest
+from lowdiff.store.rankdirs import drive_of, rank_homes, remove_drive_record
 from lowdiff.store.retention import KeepAll, follow
 
 __all__ = ["DroppedRanks", "follow", "remove_emptied"]
@@ -33,7 +34,7 @@ __all__ = ["DroppedRanks", "follow", "remove_emptied"]
 log = logging.getLogger("lowdiff")
 
 
-def remove_emptied(store: CheckpointStore) -> bool:
+def remove_emptied(store: CheckpointStore, home: str | None = None) -> bool:
     """Remove the dropped rank directory ``store`` holds (its lock) when its manifest lists nothing
     and nothing but that manifest, the lock and the rank's controller measurements is in it; True
     when it is gone. Crash-safe order (docs/format.md, "Dropped ranks"): the measurements, the
@@ -47,6 +48,8 @@ def remove_emptied(store: CheckpointStore) -> bool:
     try:
         others = sorted(set(os.listdir(store.directory)) - set(ours))
     except FileNotFoundError:
+        if home is not None:
+            remove_drive_record(home)
         return True
     if others:   # files we cannot explain are never deleted (docs/format.md, "What may be deleted")
         log.warning("lowdiff: %s lists no checkpoint any more but holds %s; it is left in place",
@@ -65,6 +68,8 @@ def remove_emptied(store: CheckpointStore) -> bool:
     except OSError as exc:   # (ENOTEMPTY: another process started writing it)
         log.warning("lowdiff: %s was not removed: %s", store.directory, exc)
         return False
+    if home is not None:
+        remove_drive_record(home)
     log.info("lowdiff: removed %s, the emptied directory of a rank this run dropped", store.directory)
     return True
 
@@ -74,8 +79,13 @@ class DroppedRanks:
 
     def __init__(self, partition: Partition):
         self.stores: list[CheckpointStore] = []
-        for rank, path in sorted(rank_directories(partition.root).items()):
+        self._homes: dict = {}   # {store: its rank-NNNNN/ when that holds a DRIVE.json naming it}
+        for rank, home in sorted(rank_homes(partition.root).items()):
             if rank >= partition.world and rank % partition.world == partition.rank:
+                path = drive_of(home) or home
+                if path != home and not os.path.isdir(path):   # removed from its drive before its DRIVE.json
+                    remove_drive_record(home)
+                    continue
                 try:
                     # A dropped directory keeps what the live rank keeps (retention.follow, applied
                     # with keep_only); its store never commits an entry, so no policy of its own runs.
@@ -87,6 +97,8 @@ class DroppedRanks:
                     continue
                 store.clean_point = "dropped-clean"     # (lowdiff.faults)
                 self.stores.append(store)
+                if path != home:
+                    self._homes[id(store)] = home
         self._fulls: list | None = None
         self._remove_emptied()   # (left listing nothing by a crash in an earlier removal)
 
@@ -110,7 +122,7 @@ class DroppedRanks:
             if store.manifest.files():
                 kept.append(store)
             else:
-                remove_emptied(store)
+                remove_emptied(store, self._homes.get(id(store)))
                 store.close()
         self.stores = kept
 

@@ -1,5 +1,5 @@
 """The envelopes of every file kind: the binary container shared by full checkpoints, batches and
-shares; and the JSON files beside them (MANIFEST.json, CONTROLLER.json, TIERS.json): their records
+shares; and the JSON files beside them (MANIFEST.json, CONTROLLER.json, TIERS.json, DRIVE.json): their records
 and their one atomic commit. (The binary files' indexes are lowdiff.format.schema.)
 
 Binary layout (docs/format.md): a 16-byte preamble (magic, version, kind) at offset 0, the payloads,
@@ -32,6 +32,7 @@ KIND_NAMES = {KIND_FULL: "full checkpoint", KIND_DIFF: "differential batch",
 MANIFEST_VERSION = 1          # MANIFEST.json
 CONTROLLER_VERSION = 1        # CONTROLLER.json
 TIERS_VERSION = 1             # TIERS.json
+DRIVE_VERSION = 1             # rank-NNNNN/DRIVE.json
 BUCKET_MANIFEST_VERSION = 1   # MANIFEST-N.json of an object-store tier
 
 PREAMBLE = struct.Struct("<8sHH4x")      # magic, version, kind, reserved
@@ -325,6 +326,35 @@ class TiersMarker:
                 not isinstance(body.get("shared_dir"), str):
             raise CorruptCheckpointError(path, f"is not a version {TIERS_VERSION} tier marker")
         return cls(body["shared_dir"], body.get("local_policy"), body.get("shared_policy"), body.get("max_lag_steps"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DriveRecord:
+    """rank-NNNNN/DRIVE.json (docs/format.md, "Rank directories on several local drives"): the rank
+    directory that ``rank-NNNNN/`` stands for, on another drive."""
+
+    dir: str
+
+    def to_json(self) -> bytes:
+        return encode_json_file({"dir": self.dir, "version": DRIVE_VERSION})
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str, rank_name: str) -> DriveRecord:
+        """Check what ``path`` holds: a version 1 record whose ``dir`` is absolute and ends in
+        ``rank_name`` (its own rank directory's name)."""
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(path, f"is not valid JSON: {exc}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("version"), int) or isinstance(body["version"], bool):
+            raise CorruptCheckpointError(path, "is not a drive record (no integer 'version')")
+        if body["version"] != DRIVE_VERSION:
+            raise VersionMismatchError(path, f"drive record version {body['version']}; this lowdiff reads "
+                                             f"version {DRIVE_VERSION}")
+        where = body.get("dir")
+        if not isinstance(where, str) or not os.path.isabs(where) or os.path.basename(where) != rank_name:
+            raise CorruptCheckpointError(path, f"'dir' is {where!r}: it must be an absolute path ending in {rank_name}")
+        return cls(where)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,16 +37,15 @@ class CheckpointSession:
         self.config = config
         self.controller = Controller(config)
         self.drainer = None          # storage tiers: copies committed files to the shared tier
+        # Partitioned, the drives hold whole rank directories (placed at wrap, lowdiff.distributed.drives):
+        # a rank's own store stripes nothing.
+        stripe_dirs = config.stripe_dirs if partition is None else ()
         if config.tiers is not None:
             # (Partitioned: each rank drains its own rank directory; the join happens in there.)
             self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition,
-                                                  stripe_dirs=config.stripe_dirs)
+                                                  stripe_dirs=stripe_dirs)
         elif partition is None:
-            self.store = CheckpointStore(directory, config.retention, stripe_dirs=config.stripe_dirs)
-        elif config.stripe_dirs:
-            raise ValueError(f"Options(stripe_dirs={config.stripe_dirs!r}) under torch.distributed: striping a rank "
-                             f"directory's full checkpoints is not supported yet (give each rank its own drive "
-                             f"through the checkpoint directory instead)")
+            self.store = CheckpointStore(directory, config.retention, stripe_dirs=stripe_dirs)
         else:
             self.store = CheckpointStore(partition.directory, config.retention, complete=partition.complete)
             partition.join(self.store)

@@ -30,7 +30,7 @@ from lowdiff.store.rankdirs import RANK_DIR_RE
 # Temporary names written by fastio.Writer (".NAME.tmp-PID-RAND", for checkpoint files, the
 # manifest, the tier marker and the controller's measurements) and by lowdiff before the manifest
 # went through fastio ("MANIFEST.json.tmp-PID").
-TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json|TIERS\.json|CONTROLLER\.json)"
+TEMP_RE = re.compile(r"^\.((?:full|diff)-[0-9a-f-]+\.ld[fd]|MANIFEST\.json|TIERS\.json|CONTROLLER\.json|DRIVE\.json)"
                      r"\.tmp-(\d+)-[0-9a-f]+$"
                      r"|^MANIFEST\.json\.tmp-(\d+)$")
 _READ_ATTEMPTS = 5

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -37,7 +38,7 @@ from lowdiff.tiers.bucketranks import (
 from lowdiff.tiers.marker import check_layouts, complete_in, join_runs, refuse_runs, write_marker
 from lowdiff.tiers.objectstore import is_object_url
 from lowdiff.tiers.policy import PolicyStore, Tiers
-from lowdiff.tiers.unstripe import copy_unstriped
+from lowdiff.tiers.unstripe import copy_unstriped, remove_dead_scratch, scratch_directory
 
 log = logging.getLogger("lowdiff")
 _CHUNK_BYTES = 8 << 20
@@ -259,7 +260,9 @@ class Drainer:
         source = entry_path(self.local.directory, entry)   # (a batch on another drive: there)
         striped = bool(getattr(entry, "stripes", ()))
         try:
-            if isinstance(self.shared, BucketStore):
+            if isinstance(self.shared, BucketStore) and striped:
+                nbytes = self._upload_unstriped(source, entry, timings)
+            elif isinstance(self.shared, BucketStore):
                 nbytes = self.shared.receive(source, entry, timings)
             elif striped:   # copied as one unstriped checkpoint: the shared tier resumes alone
                 nbytes = copy_unstriped(source, os.path.join(self.shared.directory, entry.file), check_copy,
@@ -295,6 +298,19 @@ class Drainer:
         with self._cond:
             self.stats["commit_s"] += time.perf_counter() - committing
 
+    def _upload_unstriped(self, source: str, entry, timings: dict) -> int:
+        """A striped full checkpoint into the bucket: gathered into one unstriped file (each
+        stripe's CRC-32C checked) in the local tier's scratch directory, uploaded (read back when
+        ``verify_copies``), removed (lowdiff.tiers.unstripe)."""
+        assert isinstance(self.shared, BucketStore)
+        scratch = scratch_directory(self.local.directory)
+        try:
+            copy = os.path.join(scratch, entry.file)
+            copy_unstriped(source, copy, check_copy, self._engine, verify=False, timings=timings)
+            return self.shared.receive(copy, entry, timings)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
     def _skip(self, entry) -> None:
         with self._cond:
             self._skipped.add(entry.file)
@@ -314,11 +330,7 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
     ``stripe_dirs``: the local tier's other drives (lowdiff.store.stripes); its striped full
     checkpoints are drained as unstriped ones (lowdiff.tiers.unstripe), its batches from their drive."""
     if is_object_url(tiers.shared_dir):
-        if stripe_dirs:
-            raise ValueError(f"Options(stripe_dirs={tuple(stripe_dirs)!r}) with the shared tier {tiers.shared_dir}: "
-                             f"checkpoints on several drives are not drained to an object store yet (a shared "
-                             f"directory can take them)")
-        return _open_bucket(directory, tiers, retention, engine, partition)
+        return _open_bucket(directory, tiers, retention, engine, partition, stripe_dirs)
     if stripe_dirs and partition is not None:
         raise ValueError(f"Options(stripe_dirs={tuple(stripe_dirs)!r}) in a partitioned directory: striping a rank "
                          f"directory's full checkpoints is not supported yet")
@@ -355,20 +367,8 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
         raise
 
 
-def refuse_striped(local: PolicyStore) -> None:
-    """A local tier listing full checkpoints striped over several drives (lowdiff.store.stripes), or
-    batches on other drives, is refused with an object store as the shared tier: an upload sends one
-    local file per entry, and a striped checkpoint's file holds no payload."""
-    striped = [f.file for f in local.manifest.fulls if f.stripes] + [b.file for b in local.manifest.batches if b.dir]
-    if striped:
-        raise ValueError(f"{local.directory} holds checkpoints on several drives ({striped[0]}"
-                         f"{' and more' if len(striped) > 1 else ''}): they cannot be drained to an object store "
-                         f"yet (a shared directory can); wrap without tiers=, or start the tiered run in another "
-                         f"directory")
-
-
 def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
-                 partition: Partition | None) -> tuple[PolicyStore, Drainer]:
+                 partition: Partition | None, stripe_dirs=()) -> tuple[PolicyStore, Drainer]:
     """``open_tiers`` for an object-store shared tier. A bucket that cannot be opened (missing,
     denied, unreachable) does not stop ``wrap``: the drainer starts failed, and its error is raised
     at the next step()/flush()/close(), like a copy error; the local tier keeps its checkpoints.
@@ -379,9 +379,9 @@ def _open_bucket(directory: str, tiers: Tiers, retention: Policy, engine,
     in_local = None if partition is None or in_shared is None else \
         (lambda fulls: partition.complete(fulls) | _or_none(in_shared, fulls))
     local = PolicyStore(directory if partition is None else partition.directory, tiers.local_policy(retention),
-                        complete=in_local)
+                        complete=in_local, stripe_dirs=stripe_dirs)
     try:
-        refuse_striped(local)
+        remove_dead_scratch(local.directory)   # (unstriped copies a killed drainer was uploading)
         shared = BucketStore(url if partition is None else rank_url(url, partition.rank), tiers.shared,
                              tiers.object_store, verify=tiers.verify_copies, complete=in_shared,
                              dropped=None if partition is None else

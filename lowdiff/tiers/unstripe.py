@@ -2,6 +2,10 @@
 (docs/format.md, "Storage tiers" and "Striped full checkpoints"): the shared tier holds no stripe
 and resumes alone, on any machine, without the local drives.
 
+For an object store (lowdiff.tiers.bucket uploads local files), the copy is first made in a
+scratch directory of the local tier, ``.upload-PID/``, uploaded, then removed; a scratch directory
+of a process that is gone is removed by the next trainer of the tier (``remove_dead_scratch``).
+
 The copy is the file a run without ``stripe_dirs`` would have written: the preamble padded to a
 page, the payload (gathered from every stripe, each stripe's CRC-32C checked on the way), the
 objects section, the index without ``stripes``/``stripe_bytes`` (its tensor entries unchanged:
@@ -11,6 +15,9 @@ protocol and read-back check as any drained file.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import shutil
 import time
 
 import numpy as np
@@ -24,6 +31,7 @@ from lowdiff.format.payloadread import StripedPayload
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex
 
 _CHUNK_BYTES = 8 << 20
+SCRATCH_RE = re.compile(r"^\.upload-(\d+)$")   # (docs/format.md, "What may be deleted")
 
 
 def unstriped_index(index: FullIndex, objects_offset: int) -> FullIndex:
@@ -86,3 +94,27 @@ def copy_unstriped(source: str, target: str, check_copy, engine=None, verify: bo
         timings["verify_s"] = timings.get("verify_s", 0.0) + verify_s
     return writer.size
 
+
+
+def scratch_directory(directory: str) -> str:
+    """This process's empty scratch directory ``directory/.upload-PID`` (what an earlier use left
+    is removed first)."""
+    path = os.path.join(directory, f".upload-{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    os.mkdir(path)
+    return path
+
+
+def remove_dead_scratch(directory: str) -> None:
+    """Remove the ``.upload-PID`` scratch directories of ``directory`` whose process is gone (an
+    unstriped copy a killed drainer was uploading: never listed anywhere, never the only copy)."""
+    for name in os.listdir(directory):
+        m = SCRATCH_RE.match(name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        except PermissionError:
+            pass

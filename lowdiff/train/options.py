@@ -164,7 +164,9 @@ class Options:
     ``stripe_dirs``: directories on other local drives (one each) that every full checkpoint's
     payload is striped over, together with the checkpoint directory, written and read on every
     drive at once, and that differential batches go to in turn (docs/guide.md, "Several local
-    drives"); empty: one directory."""
+    drives"); under torch.distributed (the same list on every rank of a node), each rank's directory
+    goes on one of the drives instead (docs/guide.md, "Several drives under DDP and FSDP2"); empty:
+    one directory."""
 
     boundary: Literal["step", "manual"] = "step"
     max_pending_batches: int = 2

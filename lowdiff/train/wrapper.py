@@ -26,6 +26,7 @@ from lowdiff.capture.betweensteps import BetweenStepsWatch
 from lowdiff.capture.stepcapture import StepCapture
 from lowdiff.control.controller import Controller
 from lowdiff.distributed.ddp import distributed_rank, is_ddp
+from lowdiff.distributed.drives import spread_over_drives
 from lowdiff.distributed.sharding import refuse_unsupported_sharding
 from lowdiff.errors import CheckpointError
 from lowdiff.persist.replica import Replica as ReplicaWorker
@@ -110,16 +111,14 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # shares of a checkpoint or batch form a set only when every rank cuts at the same steps.
             raise ValueError(f"{' and '.join(auto)}='auto' is not supported under torch.distributed yet: every rank "
                              f"must checkpoint at the same steps; give integers (python -m lowdiff tune suggests them)")
-        if config.stripe_dirs and self.world_size > 1:
-            # (Refused before any collective, on every rank alike.) Each rank's share would have to be
-            # striped over its own drives; the share files cannot name stripes yet.
-            raise ValueError(f"Options(stripe_dirs={config.stripe_dirs!r}) is not supported under torch.distributed "
-                             f"yet: full checkpoints are striped over several drives in single-process training only")
         if config.replica:
             check_replica_arguments(self._capture.compressor, self._capture.params, config.replica_inexact_gpu)
         # Under torch.distributed each rank writes its share of every checkpoint, with its own
         # RNG, sampler and residuals, into its rank directory (lowdiff.distributed.partition).
         partition = tiers_partition(directory, self.config.tiers, self.rank, self.world_size, self._capture.params)
+        if partition is not None and config.stripe_dirs:
+            # The ranks of a node spread over its drives: each rank directory on one (a collective).
+            spread_over_drives(partition, config.stripe_dirs)
         self._session = CheckpointSession(directory, self.config, engine, partition=partition)
         if partition is not None:
             self._capture.record_only(partition.slots)

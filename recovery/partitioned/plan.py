@@ -18,6 +18,7 @@ from lowdiff.distributed.partition import (
     retained_ranges,
     session_chain,
 )
+from lowdiff.errors import CheckpointError, MissingDeviceError
 from recovery.plan import warn
 
 
@@ -133,8 +134,21 @@ def plan_sets(root: str, stop_step: int | None, files: LocalFiles = LOCAL) -> tu
 
 
 def broadcast_plan(root: str, stop_step: int | None, world: int, files: LocalFiles = LOCAL) -> Survey:
+    """Rank 0's survey, on every rank. What it raised surveying is raised on every rank (a rank
+    directory's drive not mounted: MissingDeviceError by name), so no rank waits for a plan."""
     if world == 1:
         return plan(root, stop_step, files.views(), files.count_of)
-    found: list = [plan(root, stop_step, files.views(), files.count_of) if dist.get_rank() == 0 else None]
+    error: CheckpointError | None = None
+    found: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = [plan(root, stop_step, files.views(), files.count_of)]
+        except CheckpointError as exc:
+            error, found = exc, [(isinstance(exc, MissingDeviceError), str(exc))]
     dist.broadcast_object_list(found, src=0)
+    if error is not None:
+        raise error
+    if isinstance(found[0], tuple):
+        missing_drive, message = found[0]
+        raise (MissingDeviceError if missing_drive else CheckpointError)(message)
     return found[0]

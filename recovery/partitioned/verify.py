@@ -81,12 +81,14 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
             continue   # a rank that joined and has not written yet
         problems += _rank_problems(directory, inventory)
         name = os.path.basename(directory)
-        jobs += [(os.path.join(name, e.file), e, manifest.run) for e in manifest.fulls + manifest.batches]
+        # (Named rank-NNNNN/NAME wherever the rank directory is: on another drive, its DRIVE.json says.)
+        jobs += [(os.path.join(name, e.file), e, manifest.run, os.path.join(directory, e.file))
+                 for e in manifest.fulls + manifest.batches]
         adopted += [os.path.join(name, n) for n in inventory.adopted]
     with concurrent.futures.ThreadPoolExecutor(workers or verify_workers()) as pool:
-        results = list(pool.map(lambda job: _check(os.path.join(root, job[0]), job[1], job[2]), jobs))
+        results = list(pool.map(lambda job: _check(job[3], job[1], job[2]), jobs))
     ok, reach = [], {}
-    for (name, _, _), (problem, last) in zip(jobs, results):
+    for (name, _, _, _), (problem, last) in zip(jobs, results):
         (problems.append(problem) if problem else ok.append(name))
         reach[name] = last
     manifests = {rank: inventory.manifest for rank, inventory in views.items()}
@@ -99,7 +101,7 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
                  for rank, steps in sorted(planned.missing.items())]
     recoverable = []
     for fset in sets:
-        names = [os.path.relpath(path, root) for path in fset.files]
+        names = [os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path)) for path in fset.files]
         if any(reach.get(n) is None for n in names):
             continue
         ends = [_chain_reach(fset.step, i, chain, reach, set(ok)) for i, chain in enumerate(fset.chains)]

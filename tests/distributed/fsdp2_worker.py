@@ -140,6 +140,8 @@ def main():
     p.add_argument("--hsdp", action="store_true", help="HSDP: fully_shard on a (2, world / 2) mesh")
     p.add_argument("--shared", help="a shared tier (lowdiff.Tiers) the rank directories drain into")
     p.add_argument("--keep-last", type=int, help="retention=lowdiff.KeepLast(this)")
+    p.add_argument("--stripe-dirs", type=lambda s: tuple(s.split(",")), default=(),
+                   help="the node's other drives (Options(stripe_dirs=...)), comma-separated")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
@@ -150,7 +152,8 @@ def main():
         lowdiff.TopK(ratio=0.25, min_numel=16, error_feedback=args.compressor == "topk-ef")
     opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
                        extra_state={"sampler": sampler}, tiers=lowdiff.Tiers(args.shared) if args.shared else None,
-                       retention=lowdiff.KeepLast(args.keep_last) if args.keep_last else None)
+                       retention=lowdiff.KeepLast(args.keep_last) if args.keep_last else None,
+                       options=lowdiff.Options(stripe_dirs=args.stripe_dirs))
     start = recovery.resume(args.dir, model, opt, step=args.resume_step)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))

@@ -154,6 +154,8 @@ def main():
     p.add_argument("--flush", action="store_true", help="flush after every step")
     p.add_argument("--replica", action="store_true", help="replica mode (LowDiff+; with --compressor dense)")
     p.add_argument("--shared-dir", help="storage tiers: stage the checkpoints to this shared directory")
+    p.add_argument("--stripe-dirs", type=lambda s: tuple(s.split(",")), default=(),
+                   help="the node's other drives (Options(stripe_dirs=...)), comma-separated")
     p.add_argument("--resume-only", action="store_true", help="resume, write the digest line, stop")
     p.add_argument("--resume-step", type=int, help="resume the wrapped optimizer at this step (time travel), "
                                                    "then train on")
@@ -187,6 +189,8 @@ def main():
         else {"full_every": args.full_every, "batch_steps": args.batch_steps}
     if args.shared_dir:
         when["tiers"] = lowdiff.Tiers(args.shared_dir)
+    if args.stripe_dirs:
+        when["options"] = lowdiff.Options(stripe_dirs=args.stripe_dirs)
     opt = lowdiff.wrap(opt, ddp, args.dir, compressor=compressor(args.compressor), scheduler=sched,
                        extra_state={"sampler": sampler}, **when)
     start = recovery.resume(args.dir, ddp, opt, step=args.resume_step)

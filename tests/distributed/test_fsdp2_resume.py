@@ -115,6 +115,19 @@ def damage_rank_1s_newest_chunk(directory) -> int:
     return int(newest.split("-")[1])
 
 
+def test_ranks_on_their_drives_killed_and_resumed_exactly(tmp_path, dense_adamw):
+    """Options(stripe_dirs=...) under FSDP2 (docs/format.md, "Rank directories on several local
+    drives"): rank 1's chunks are written on the other drive, named by rank-00001/DRIVE.json; the job
+    SIGKILLed after step 7 resumes there exactly."""
+    reference, drives = dense_adamw[0], ("--stripe-dirs", str(tmp_path / "nvme1"))
+    crashed = launch(tmp_path / "run", tmp_path / "run", 2, "--crash-at", "7", *drives)
+    assert [code for code, _ in crashed] == [-9, -9], crashed
+    assert os.listdir(tmp_path / "run" / "rank-00001") == ["DRIVE.json"]
+    assert any(n.startswith("full-") for n in os.listdir(tmp_path / "nvme1" / "rank-00001"))
+    ok(launch(tmp_path / "run", tmp_path / "res", 2, *drives))
+    assert_resumed_exactly(tmp_path, reference, "res", lowest=4)
+
+
 def test_a_damaged_share_falls_back_to_an_older_set(tmp_path, dense_adamw):
     reference, directory = dense_adamw[0], copied(dense_adamw[1], tmp_path / "run")
     step = damage_rank_1s_newest_chunk(directory)

@@ -13,10 +13,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from lowdiff_helpers import build, manifest_json, reference_digests, resumed_digest, train_steps, train_striped, wrap
+from s3_helpers import listing
 
 import lowdiff
+import recovery
 from lowdiff.cli import main as cli
+from lowdiff.cli.demo import state_digest
 from lowdiff.errors import MissingDeviceError
 from lowdiff.format.fullckpt import read_full_index
 from lowdiff.store.stripes import STRIPE_RE
@@ -152,12 +156,37 @@ def test_stripe_dirs_are_checked():
         lowdiff.Options(stripe_dirs="/mnt/nvme1")
 
 
-def test_a_striped_directory_is_not_drained_to_an_object_store(striped, tmp_path):
-    """(A shared directory can take it: tests/integration/test_stripe_batches.py.)"""
-    directory, _ = striped
+def test_a_striped_directory_drains_to_an_object_store_unstriped(s3, tmp_path, reference):
+    """Each striped full checkpoint is uploaded as one ordinary file (gathered in a scratch
+    directory, removed after), each batch from its drive: the bucket alone resumes exactly, with
+    the node's drives gone. (A shared directory: tests/integration/test_stripe_batches.py.)"""
+    directory, devices = tmp_path / "ckpt", [tmp_path / "nvme1", tmp_path / "nvme2"]
+    url = f"s3://{s3.bucket}/run"
+    train_striped(directory, devices, STEPS, tiers=lowdiff.Tiers(url))
+    assert any(f["stripes"] for f in manifest_json(directory)["fulls"])
+    assert any(b.get("dir") for b in manifest_json(directory)["batches"])
+    keys = [k.removeprefix("run/") for k in listing(s3.client, s3.bucket, "run/")]
+    assert any(k.startswith("full-") for k in keys) and not any(k.endswith(".lds") for k in keys)
+    assert not any(n.startswith(".upload-") for n in os.listdir(directory))
+    for path in [directory, *devices]:
+        shutil.rmtree(path)
     model, opt, sched, sampler = build()
-    with pytest.raises(ValueError, match="cannot be drained to an object store yet"):
-        wrap(str(directory), model, opt, sched, sampler, tiers=lowdiff.Tiers("s3://bucket/prefix"))
+    torch.manual_seed(4321)
+    result = recovery.resume(str(tmp_path / "node2"), model, opt, scheduler=sched, extra_state={"sampler": sampler},
+                             shared_dir=url)
+    assert int(result) == STEPS and state_digest(model, opt, sched, sampler) == reference[STEPS]
+
+
+def test_a_dead_drainers_scratch_copy_is_removed(tmp_path):
+    from lowdiff.tiers.unstripe import remove_dead_scratch, scratch_directory
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f".upload-{int(dead.stdout)}").mkdir()
+    (tmp_path / f".upload-{int(dead.stdout)}" / "full-000000000006-0a1b2c3d.ldf").write_bytes(b"partial")
+    mine = scratch_directory(str(tmp_path))
+    (tmp_path / ".upload-x").mkdir()   # not of our form: not ours
+    remove_dead_scratch(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(mine), ".upload-x"])
 
 
 def test_the_same_drive_twice_is_refused(tmp_path):

@@ -17,6 +17,7 @@ import zstandard
 import fastio
 import recovery
 from lowdiff.control.controlstate import read_state, write_state
+from lowdiff.distributed.drives import place_rank_directory
 from lowdiff.format import container
 from lowdiff.format.batchfile import write_batch
 from lowdiff.format.container import BucketManifest
@@ -33,6 +34,7 @@ from lowdiff.format.sharefile import (
 )
 from lowdiff.step.compress import Compressed
 from lowdiff.store.manifest import BatchEntry, FullEntry, Manifest, RetiredEntry, read_manifest, write_manifest
+from lowdiff.store.rankdirs import rank_directory
 from lowdiff.store.retention import KeepLast
 from lowdiff.tiers.marker import read_marker, read_tiers, write_marker
 from lowdiff.tiers.policy import Tiers
@@ -194,6 +196,10 @@ def hand_tiers(shared_dir: str) -> bytes:
                       "shared_policy": "keep-last 2", "max_lag_steps": 500})
 
 
+def hand_drive(rank_dir: str) -> bytes:
+    return json_file({"version": 1, "dir": rank_dir})
+
+
 BUCKET_MANIFEST = "MANIFEST-000000000000.json"
 
 
@@ -256,6 +262,10 @@ def lowdiff_writes_every_kind(directory) -> dict:
     names = (FULL_NAME, DIFF_NAME, "full-share.ldf", "diff-share.ldd", "MANIFEST.json", "CONTROLLER.json",
              "TIERS.json", "full-share-dtensors.ldf", "diff-share-dtensors.ldd")
     written = {name: (directory / name).read_bytes() for name in names}
+    # Rank 1 of a partitioned root placed on the second of two drives (local rank 1).
+    root, drive = directory / "spread", directory / "nvme1"
+    place_rank_directory(str(root), 1, (str(root), str(drive)), 1)
+    written["DRIVE.json"] = (root / "rank-00001" / "DRIVE.json").read_bytes()
     # The bucket's commit object, as lowdiff.tiers.bucket encodes it (no bucket needed for its bytes).
     written[BUCKET_MANIFEST] = BucketManifest(0, read_manifest(str(directory)), {
         name: (len(written[name]), fastio.crc32c(written[name])) for name in (FULL_NAME, DIFF_NAME)}).to_json()
@@ -290,6 +300,7 @@ def test_lowdiff_writes_the_bytes_the_spec_describes(tmp_path):
     assert written["CONTROLLER.json"] == hand_controller()
     assert written["TIERS.json"] == hand_tiers(str(tmp_path / "shared"))
     assert written[BUCKET_MANIFEST] == hand_bucket_manifest(full, batch)
+    assert written["DRIVE.json"] == hand_drive(str(tmp_path / "nvme1" / "rank-00001"))
 
 
 def test_the_hand_built_shares_and_sidecars_are_read_by_lowdiff(tmp_path):
@@ -313,6 +324,10 @@ def test_the_hand_built_shares_and_sidecars_are_read_by_lowdiff(tmp_path):
     assert commit.seq == 0 and commit.objects == {FULL_NAME: (len(full), crc32c(full)),
                                                   DIFF_NAME: (len(batch), crc32c(batch))}
     assert commit.manifest.files() == {FULL_NAME, DIFF_NAME}
+    (tmp_path / "nvme1" / "rank-00003").mkdir(parents=True)
+    (tmp_path / "rank-00003").mkdir()
+    (tmp_path / "rank-00003" / "DRIVE.json").write_bytes(hand_drive(str(tmp_path / "nvme1" / "rank-00003")))
+    assert rank_directory(str(tmp_path), 3) == str(tmp_path / "nvme1" / "rank-00003")
 
 
 def doc_text() -> str:
@@ -365,7 +380,7 @@ def test_format_md_lists_every_field_kind_and_version_lowdiff_writes(tmp_path):
     written = lowdiff_writes_every_kind(tmp_path)
     files = {"full checkpoint": FULL_NAME, "differential batch": DIFF_NAME, "full-checkpoint share": "full-share.ldf",
              "differential share": "diff-share.ldd", "`MANIFEST.json`": "MANIFEST.json",
-             "`CONTROLLER.json`": "CONTROLLER.json", "`TIERS.json`": "TIERS.json",
+             "`CONTROLLER.json`": "CONTROLLER.json", "`TIERS.json`": "TIERS.json", "`DRIVE.json`": "DRIVE.json",
              "bucket `MANIFEST-N.json`": BUCKET_MANIFEST}
     assert sorted(row[0] for row in rows) == sorted(files)
     # A file kind with optional fields is also written as a run that writes them does.
