@@ -82,8 +82,9 @@ def _rebuild(directory: str, step: int | None, as_share: int | None = None) -> _
     def check_full(path, index, state):
         missing = [n for n in index.param_names if n not in state.model]
         if missing:
+            hint = _hidden_hint(missing, state.model, index.param_aliases)
             raise CorruptCheckpointError(path, f"its index names optimizer parameters its model state lacks: "
-                                               f"{missing[:4]}{_hidden_hint(missing, state.model, index.param_aliases)}")
+                                               f"{missing[:4]}{hint}")
         _optimizer_class(index.optimizer_class)
 
     def apply_full(index, state):
@@ -116,7 +117,10 @@ def _rebuild(directory: str, step: int | None, as_share: int | None = None) -> _
     for key, slot in index.param_aliases.items():  # tied weights stored under several keys
         model_state[key] = holder["params"][slot].detach()
     model_state.update(boundary.buffers)
-    made = _made_by_hooks(model_state, index.param_aliases, boundary.buffers)
+    # (At the full checkpoint's own step they still match the parameters, and its buffers are in
+    # its model state, not in a record's ``buffers``: kept as the model gave them.)
+    made = _made_by_hooks(model_state, index.param_aliases, boundary.buffers) \
+        if restored.step != restored.full_step else []
     if made:
         warn(f"lowdiff: export: model state keys {sorted(made)[:4]}{' and more' if len(made) > 4 else ''} are neither "
              f"parameters nor buffers (a state_dict hook made them from parameters at step {restored.full_step}, "
@@ -128,10 +132,11 @@ def _rebuild(directory: str, step: int | None, as_share: int | None = None) -> _
 
 
 def _made_by_hooks(model_state: dict, aliases: dict, buffers: dict) -> list:
-    """Tensors of a model state that are neither a parameter's key nor a buffer: what a state-dict
-    hook made from parameters (torchtitan's ``wq``/``wk``/``wv`` cut from its fused ``wqkv``) and
-    stored as of the full checkpoint's step. Without the model's code they cannot be made again at a
-    later step (docs/format.md, "Parameters the model's state_dict() does not hand out")."""
+    """Tensors of a model state that are neither a parameter's key nor a buffer (``buffers``: a
+    record's, all the persistent ones): what a state-dict hook made from parameters (torchtitan's
+    ``wq``/``wk``/``wv`` cut from its fused ``wqkv``) and stored as of the full checkpoint's step.
+    Without the model's code they cannot be made again at a later step (docs/format.md,
+    "Parameters the model's state_dict() does not hand out")."""
     return [key for key, value in model_state.items() if isinstance(value, torch.Tensor) and key not in aliases
             and key not in buffers and not key.endswith("_extra_state")]   # (torch's get_extra_state key)
 
