@@ -147,8 +147,9 @@ def test_torchtitan_trainer_resumes_exactly_after_sigkill(tmp_path, assets, comp
     assert exported["step"] == STEPS
     assert_gathered(exported, tmp_path / f"state-{STEPS}.pt", "export of the resumed run's end", full)
     # Its model and optimizer state resume at 1 rank as the 2-rank run had them, gathered (the
-    # optimizer state of the fused wqkv, which state_dict() does not hand out, included). Not its dataloader: torchtitan's own refuses a state of another dp
-    # degree ("dataloader resharding is not supported yet"), from its DCP checkpoints as well.
+    # optimizer state of the fused wqkv, which state_dict() does not hand out, included). Not its
+    # dataloader: torchtitan's own refuses a state of another dp degree ("dataloader resharding is
+    # not supported yet"), from its DCP checkpoints as well.
     partition_runs.ok(partition_runs.launch(
         tmp_path / "one", tmp_path / "one", 1, "--tokenizer", str(assets / "tokenizer"), "--data",
         str(assets / "data"), "--reshard-from", str(tmp_path / "run" / "lowdiff"), "--dump-states",
