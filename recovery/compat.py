@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from lowdiff.errors import IncompatibleCheckpointError
+from lowdiff.format.fullckpt import hidden_parameters
 from lowdiff.format.schema import FullIndex, FullState
 from lowdiff.step.boundary import owned_model_state, trained_elsewhere
 
@@ -49,7 +50,12 @@ def check_compatible(path: str, index: FullIndex, state: FullState, model: torch
         differ = [f"#{i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(saved_names, live_names)) if a != b]
         refuse(f"its optimizer parameters are not the model's (checkpoint vs given): {_shown(differ)}")
     foreign = trained_elsewhere(model, optimizer)
-    _check_model(refuse, {k: v for k, v in state.model.items() if k not in foreign}, owned_model_state(model, foreign))
+    # The parameters a state-dict hook hides, as the file holds them (files written before it
+    # recorded them lack them, and resume as before: the model's load hook rebuilds them).
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    hidden = {k: p for k, p in hidden_parameters(model, params).items() if k in state.model}
+    _check_model(refuse, {k: v for k, v in state.model.items() if k not in foreign},
+                 owned_model_state(model, foreign, hidden))
     if compressor is not None and index.compressor:
         saved_kind = index.compressor.split("(")[0]
         live_kind = type(compressor).__name__

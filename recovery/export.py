@@ -82,8 +82,9 @@ def _rebuild(directory: str, step: int | None, as_share: int | None = None) -> _
     def check_full(path, index, state):
         missing = [n for n in index.param_names if n not in state.model]
         if missing:
+            hint = _hidden_hint(missing, state.model, index.param_aliases)
             raise CorruptCheckpointError(path, f"its index names optimizer parameters its model state lacks: "
-                                               f"{missing[:4]}")
+                                               f"{missing[:4]}{hint}")
         _optimizer_class(index.optimizer_class)
 
     def apply_full(index, state):
@@ -116,8 +117,43 @@ def _rebuild(directory: str, step: int | None, as_share: int | None = None) -> _
     for key, slot in index.param_aliases.items():  # tied weights stored under several keys
         model_state[key] = holder["params"][slot].detach()
     model_state.update(boundary.buffers)
+    # (At the full checkpoint's own step they still match the parameters, and its buffers are in
+    # its model state, not in a record's ``buffers``: kept as the model gave them.)
+    made = _made_by_hooks(model_state, index.param_aliases, boundary.buffers) \
+        if restored.step != restored.full_step else []
+    if made:
+        warn(f"lowdiff: export: model state keys {sorted(made)[:4]}{' and more' if len(made) > 4 else ''} are neither "
+             f"parameters nor buffers (a state_dict hook made them from parameters at step {restored.full_step}, "
+             f"which a replay does not move): left out; the parameters are exported under their own names")
+        for key in made:
+            del model_state[key]
     names = {id(p): name for name, p in zip(index.param_names, holder["params"])}
     return _Rebuilt(restored, model_state, holder["optimizer"], names, restored.full_file)
+
+
+def _made_by_hooks(model_state: dict, aliases: dict, buffers: dict) -> list:
+    """Tensors of a model state that are neither a parameter's key nor a buffer (``buffers``: a
+    record's, all the persistent ones): what a state-dict hook made from parameters (torchtitan's
+    ``wq``/``wk``/``wv`` cut from its fused ``wqkv``) and stored as of the full checkpoint's step.
+    Without the model's code they cannot be made again at a later step (docs/format.md,
+    "Parameters the model's state_dict() does not hand out")."""
+    return [key for key, value in model_state.items() if isinstance(value, torch.Tensor) and key not in aliases
+            and key not in buffers and not key.endswith("_extra_state")]   # (torch's get_extra_state key)
+
+
+def _hidden_hint(missing: list, model_state: dict, aliases: dict) -> str:
+    """Why a full checkpoint may lack parameters: other keys of their modules, not parameters, stand
+    in their place (a state-dict hook), and the file predates lowdiff storing such parameters."""
+    def near(key: str) -> set:   # its module and that module's parent (where such hooks sit)
+        module = key.rpartition(".")[0]
+        return {module, module.rpartition(".")[0]} - {""}
+    around = set().union(*(near(name) for name in missing))
+    stand_ins = [k for k in model_state if k not in aliases and near(k) & around]
+    if not stand_ins:
+        return ""
+    return (f"; the model's state_dict() hooks put {stand_ins[:3]} in their place, and this file was written "
+            f"before lowdiff stored such parameters under their own names: resume the run with its model and "
+            f"let it take a full checkpoint, then export a step from that one on")
 
 
 def _export_shares(output, directory: str, first: _Rebuilt, count: int, chunks: dict) -> bool:

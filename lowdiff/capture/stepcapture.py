@@ -18,6 +18,7 @@ from lowdiff.capture.devicecopy import DeviceCopy
 from lowdiff.distributed.ddp import AggregatedRecorder, CompressedAllReduce, is_ddp
 from lowdiff.distributed.dtensors import local_chunk
 from lowdiff.format import tree
+from lowdiff.format.fullckpt import hidden_parameters
 from lowdiff.format.records import StepRecord
 from lowdiff.format.schema import TrainedWith
 from lowdiff.step import boundary as capture
@@ -78,6 +79,11 @@ class StepCapture:
         live_state = self.model.state_dict(keep_vars=True)
         # Keys of the model's state that are optimizer parameters (tied weights appear under several).
         self.param_aliases = {k: slot_of[id(v)] for k, v in live_state.items() if id(v) in slot_of}
+        # Parameters a state-dict hook replaced by other tensors (fused weights saved split): the
+        # full checkpoints hold them under their own names too, or nothing could be replayed from
+        # them without the model's code (an export). docs/format.md.
+        self.hidden = hidden_parameters(self.model, self.params, live_state)
+        self.param_aliases.update({name: slot_of[id(p)] for name, p in self.hidden.items()})
         self.foreign_keys = capture.trained_elsewhere(self.model, self.optimizer)
 
     def record_only(self, slots) -> None:
@@ -191,7 +197,7 @@ class StepCapture:
         which the next forward pass changes in place while the parameters and optimizer state
         are copied in the background. The tensors of ``state`` are the live ones, not copies."""
         state = {
-            "model": {**capture.owned_model_state(self.model, self.foreign_keys), **boundary["buffers"]},
+            "model": {**capture.owned_model_state(self.model, self.foreign_keys, self.hidden), **boundary["buffers"]},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": boundary.get("scheduler"),
             "extra": boundary["extra"],
@@ -206,7 +212,7 @@ class StepCapture:
 
     def state_nbytes(self) -> int:
         """About the payload of a full checkpoint: model and optimizer tensors, page-rounded."""
-        tensors = list(capture.owned_model_state(self.model, self.foreign_keys).values())
+        tensors = list(capture.owned_model_state(self.model, self.foreign_keys, self.hidden).values())
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         tensors += list(self.residuals.values())
         memories = {tree.same_memory(t) or id(t): t for t in tensors}   # tied weights are stored once

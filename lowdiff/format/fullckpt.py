@@ -309,14 +309,32 @@ def read_full_index(path: str, *, engine=None) -> FullIndex:
                                    reader.size)
 
 
+def hidden_parameters(model: torch.nn.Module, params, state: dict | None = None) -> dict:
+    """{name: parameter} of ``params`` (an optimizer's) that ``model.state_dict()`` does not hand
+    out under their own ``named_parameters()`` name: a state-dict hook put other tensors in their
+    place (torchtitan's fused ``wqkv`` saved as ``wq``/``wk``/``wv``). A full checkpoint stores them
+    under that name as well (docs/format.md, "Parameters the model's state_dict() does not hand
+    out"): without them neither an export nor a replay has the parameter to start from.
+    ``state``: ``model.state_dict(keep_vars=True)`` when the caller has it (hooks may gather)."""
+    state = model.state_dict(keep_vars=True) if state is None else state
+    shown = {id(v) for v in state.values()}
+    wanted = {id(p) for p in params}
+    return {name: p for name, p in model.named_parameters()
+            if id(p) in wanted and id(p) not in shown and name not in state}
+
+
 def live_targets(model: torch.nn.Module, optimizer, exclude=frozenset()) -> dict:
     """``load_full(into=...)`` for live objects: their tensors under the keys a full checkpoint
     stores them (its state is ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``
     split by ``tree.split_tensors``). The model's parameters and buffers (``keep_vars=True`` hands
-    out the live tensors, not detached views) except the names in ``exclude``, and the optimizer's
-    state tensors when it has state (``state_dict()`` packs the live tensors, and
-    ``load_state_dict`` adopts those the load returns)."""
-    live = {f"/model/{key}": value for key, value in model.state_dict(keep_vars=True).items() if key not in exclude}
+    out the live tensors, not detached views) except the names in ``exclude``, the parameters a
+    state-dict hook hides (``hidden_parameters``), and the optimizer's state tensors when it has
+    state (``state_dict()`` packs the live tensors, and ``load_state_dict`` adopts those the load
+    returns)."""
+    state = model.state_dict(keep_vars=True)
+    live = {f"/model/{key}": value for key, value in state.items() if key not in exclude}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    live.update({f"/model/{name}": p for name, p in hidden_parameters(model, params, state).items()})
     live.update(tree.split_tensors(optimizer.state_dict()["state"], "/optimizer/state")[1])
     return live
 

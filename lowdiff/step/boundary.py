@@ -179,7 +179,13 @@ def trained_elsewhere(model: torch.nn.Module, optimizer) -> frozenset:
                      if isinstance(value, torch.nn.Parameter) and value.requires_grad and id(value) not in mine)
 
 
-def owned_model_state(model: torch.nn.Module, foreign: frozenset) -> dict:
-    """``model.state_dict()`` without the ``foreign`` keys (see trained_elsewhere)."""
+def owned_model_state(model: torch.nn.Module, foreign: frozenset, hidden: dict | None = None) -> dict:
+    """``model.state_dict()`` without the ``foreign`` keys (see trained_elsewhere), and with the
+    parameters a state-dict hook hides under their own names (``hidden``: see
+    lowdiff.format.fullckpt.hidden_parameters)."""
     state = model.state_dict()
-    return {key: value for key, value in state.items() if key not in foreign} if foreign else state
+    if foreign:
+        state = {key: value for key, value in state.items() if key not in foreign}
+    if hidden:
+        state.update({name: p.detach() for name, p in hidden.items()})
+    return state

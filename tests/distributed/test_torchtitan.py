@@ -13,6 +13,9 @@ import random
 import sys
 
 import pytest
+import torch
+
+import recovery
 
 sys.path.insert(0, os.path.dirname(__file__))
 import partition_runs  # noqa: E402
@@ -86,16 +89,49 @@ def digests(path):
     return resumed, out
 
 
+def assert_gathered(got: dict, want_path, what: str, split_kept: bool = False):
+    """``got`` (an export's {model, optimizer}) equals the reference run's gathered state at that
+    step: every parameter under its own name (the fused wqkv, which state_dict() splits) and every
+    optimizer state tensor, byte for byte; state_dict()'s split wq/wk/wv only where ``split_kept``
+    (an export of a full checkpoint's own step keeps them as stored)."""
+    want = torch.load(want_path, weights_only=True)
+    for name, tensor in want["params"].items():
+        assert torch.equal(got["model"][name], tensor), (what, name)
+    split = [k for k in got["model"] if k.endswith(("wq.weight", "wk.weight", "wv.weight"))]
+    assert len(split) == (3 * len([n for n in want["params"] if n.endswith("wqkv.weight")]) if split_kept else 0), \
+        (what, split)
+    assert set(got["optimizer"]["state"]) == set(want["optimizer"]), what
+    for slot, entry in want["optimizer"].items():
+        for key, value in entry.items():
+            assert torch.equal(got["optimizer"]["state"][slot][key], value), (what, slot, key)
+
+
+def export_state(directory, out) -> tuple[dict, bool]:
+    """(the export of the newest durable step, whether that step is a full checkpoint's)."""
+    step = recovery.export(directory, out)
+    exported = torch.load(out, weights_only=True)
+    assert exported["step"] == step
+    return exported, any(path.name.startswith(f"full-{step:012d}-") for path in directory.rglob("full-*"))
+
+
 # TopK's run is the same three jobs again: with -m soak (the suite's time budget).
 @pytest.mark.parametrize("compressor", ["dense", pytest.param("topk", marks=pytest.mark.soak)])
 def test_torchtitan_trainer_resumes_exactly_after_sigkill(tmp_path, assets, compressor):
     extra = ("--compressor", compressor)
-    partition_runs.ok(launch(assets, tmp_path / "ref", tmp_path / "ref", *extra))
+    # The reference run also writes its gathered state after the steps a resume or export below
+    # may reach (the durable step after the kill at 7 is 4 to 7).
+    partition_runs.ok(launch(assets, tmp_path / "ref", tmp_path / "ref", *extra, "--dump-states",
+                             str(tmp_path / "state"), "--dump-steps", "4", "5", "6", "7", str(STEPS)))
     reference = [digests(tmp_path / f"ref-{rank}.txt") for rank in range(2)]
     for resumed, steps in reference:
         assert resumed == 0 and sorted(steps) == list(range(STEPS + 1))
     crashed = launch(assets, tmp_path / "run", tmp_path / "run", "--crash-at", "7", *extra)
     assert [code for code, _ in crashed] == [-9, -9], crashed
+    # The killed job's directory exports (one process, no model code, gathered) the state of its
+    # newest durable step, as the reference run had it.
+    exported, full = export_state(tmp_path / "run" / "lowdiff", tmp_path / "killed.pt")
+    assert exported["step"] >= 4
+    assert_gathered(exported, tmp_path / f"state-{exported['step']}.pt", "export after SIGKILL", full)
     partition_runs.ok(launch(assets, tmp_path / "run", tmp_path / "res", *extra))
     resumed_at = set()
     for rank in range(2):
@@ -107,6 +143,21 @@ def test_torchtitan_trainer_resumes_exactly_after_sigkill(tmp_path, assets, comp
         for s, value in got.items():
             assert value == reference[rank][1][s], (rank, s)
     assert len(resumed_at) == 1
+    exported, full = export_state(tmp_path / "run" / "lowdiff", tmp_path / "end.pt")
+    assert exported["step"] == STEPS
+    assert_gathered(exported, tmp_path / f"state-{STEPS}.pt", "export of the resumed run's end", full)
+    # Its model and optimizer state resume at 1 rank as the 2-rank run had them, gathered (the
+    # optimizer state of the fused wqkv, which state_dict() does not hand out, included). Not its
+    # dataloader: torchtitan's own refuses a state of another dp degree ("dataloader resharding is
+    # not supported yet"), from its DCP checkpoints as well.
+    partition_runs.ok(partition_runs.launch(
+        tmp_path / "one", tmp_path / "one", 1, "--tokenizer", str(assets / "tokenizer"), "--data",
+        str(assets / "data"), "--reshard-from", str(tmp_path / "run" / "lowdiff"), "--dump-states",
+        str(tmp_path / "one-state"), *extra, steps=STEPS, worker=WORKER, timeout=600))
+    assert (tmp_path / "one-0.txt").read_text().split() == ["resharded", str(STEPS)]
+    got = torch.load(tmp_path / f"one-state-{STEPS}.pt", weights_only=True)
+    assert_gathered({"model": got["params"], "optimizer": {"state": got["optimizer"]}},
+                    tmp_path / f"state-{STEPS}.pt", "resumed at one rank")
 
 
 @pytest.mark.parametrize("setting,words", [

@@ -88,6 +88,24 @@ def digest(trainer) -> str:
     return h.hexdigest()
 
 
+def full_state(trainer) -> dict:
+    """The whole tensors of the model's parameters (by their own names: not state_dict()'s, whose
+    hooks split the fused wqkv) and of the optimizer's state (by slot), gathered (a collective)."""
+    def whole(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    params = {name: whole(p) for name, p in trainer.model_parts[0].named_parameters()}
+    inner = trainer.checkpointer.optimizer.optimizer
+    optimizer = {slot: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in sorted(entry.items())}
+                 for slot, entry in sorted(inner.state_dict()["state"].items())}
+    return {"step": trainer.step, "params": params, "optimizer": optimizer}
+
+
+def dump_state(trainer, path):
+    state = full_state(trainer)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(state, path)
+
+
 def build(args):
     config = llama3_debugmodel()
     for _, _, parent, field in list(config.model_spec.model.traverse(FlexAttention.Config)):
@@ -124,6 +142,11 @@ def main():
     p.add_argument("--data", required=True, help="a folder of JSON lines with a 'text' field")
     p.add_argument("--compressor", choices=["dense", "topk"], default="dense")
     p.add_argument("--crash-at", type=int)
+    p.add_argument("--dump-states", help="write the gathered state after the --dump-steps to DUMP_STATES-STEP.pt")
+    p.add_argument("--dump-steps", type=int, nargs="*", default=[])
+    p.add_argument("--reshard-from", help="only resume this directory's model and optimizer state (no "
+                                          "dataloader: torchtitan's refuses another dp degree) and write the "
+                                          "gathered state to --dump-states")
     args = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")   # lowdiff's warnings on stderr
@@ -149,6 +172,8 @@ def main():
 
     def saved(curr_step, last_step=False):
         done = save(curr_step, last_step)
+        if curr_step in args.dump_steps:
+            dump_state(trainer, f"{args.dump_states}-{curr_step}.pt")
         out.write(f"{curr_step} {digest(trainer)}\n")
         out.flush()
         if args.crash_at == curr_step:
@@ -156,7 +181,13 @@ def main():
         return done
 
     manager._load, manager._save = loaded, saved
-    trainer.train()
+    if args.reshard_from:
+        import recovery
+        step = recovery.resume(args.reshard_from, trainer.model_parts[0], manager.optimizer.optimizer)
+        dump_state(trainer, f"{args.dump_states}-{int(step)}.pt")
+        out.write(f"resharded {int(step)}\n")
+    else:
+        trainer.train()
     trainer.close()
     out.close()
     dist.barrier()
