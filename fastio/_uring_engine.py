@@ -57,11 +57,16 @@ class UringEngine(Engine):
             return False
         item = _Registration(buffer)
         self._queue.put_many(URGENT, [item])
-        try:
-            item.ticket.wait()
-        except OSError:
-            return False   # the ring failed: the requests themselves report it
-        return item.accepted
+        while True:
+            try:
+                item.ticket.wait(0.5)
+                return item.accepted
+            except OSError:
+                return False   # the ring failed: the requests themselves report it
+            except TimeoutError:
+                # A close() racing this call may have let the thread end before it took the item.
+                if not self._thread.is_alive():
+                    return False
 
     def _run(self) -> None:
         inflight: dict[int, object] = {}  # user_data -> Piece

@@ -381,3 +381,16 @@ def test_engine_registers_a_large_buffer_as_slices(rw_fd, monkeypatch):
         assert os.pread(rw_fd, nbytes, 0) == bytes(view)
     finally:
         engine.close()
+
+
+def test_engine_registration_racing_close_returns_instead_of_waiting_forever():
+    from fastio import aligned_buffer
+
+    engine = _engine()
+    engine.close()
+    assert engine.register_buffer(aligned_buffer(4096)) is False   # closed: refused at once
+    # The race: the call saw the engine open, then close() let the thread end before it took the
+    # registration from the queue. The call must notice the thread is gone and give up.
+    engine._closed = False
+    assert engine.register_buffer(aligned_buffer(4096)) is False
+    engine._closed = True
