@@ -95,7 +95,7 @@ class Snapshot:
         self._staged = None        # (tensors, versions) between stage() and release_sources()
         self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
         self.meta: TrainedWith | None = None
-        self._fixed: tuple | None = None   # (engine, buffer) of the last registration tried
+        self._fixed: tuple | None = None   # (engine, buffer, accepted) of the last registration tried
 
     def stage(self, step: int, state: dict, meta: TrainedWith) -> None:
         """Record what to copy: ``state`` (nested dicts/lists of tensors and plain values).
