@@ -54,6 +54,18 @@ def shared_digest(model, optimizer) -> str:
     return h.hexdigest()
 
 
+def exported_step_and_digest(path) -> tuple[int, str]:
+    """(step, shared_digest) of a ``python -m lowdiff export`` file of this worker's model, loaded
+    into a fresh Net and AdamW as a user would."""
+    exported = torch.load(path, weights_only=True)
+    torch.manual_seed(0)
+    model = Net(unused=False)
+    model.load_state_dict(exported["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(exported["optimizer"])
+    return exported["step"], shared_digest(model, opt)
+
+
 def build(args):
     torch.manual_seed(0)  # same initial weights on every rank
     model = Net(unused=args.unused, tied=args.tied)

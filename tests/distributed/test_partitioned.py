@@ -150,13 +150,8 @@ def test_cli_understands_partitioned_directories(tmp_path, reference, capsys):
     assert main(["verify", str(directory)]) == 0
     assert f"recoverable steps 12..{STEPS}" in capsys.readouterr().out
     assert main(["export", str(directory), "-o", str(tmp_path / "out.pt")]) == 0
+    assert partition_worker.exported_step_and_digest(tmp_path / "out.pt") == (STEPS, ref[0][STEPS][1])
     exported = torch.load(tmp_path / "out.pt", weights_only=True)
-    torch.manual_seed(0)
-    model = partition_worker.Net(unused=False)
-    model.load_state_dict(exported["model"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt.load_state_dict(exported["optimizer"])
-    assert exported["step"] == STEPS and partition_worker.shared_digest(model, opt) == ref[0][STEPS][1]
     # DCP from a DDP directory (no DTensor chunks): every tensor whole, the torch export's values
     assert main(["export", str(directory), "--format", "dcp", "-o", str(tmp_path / "dcp")]) == 0
     import warnings

@@ -8,8 +8,6 @@ hang, and nothing is deleted or recreated. verify, inspect and export read the d
 import os
 import sys
 
-import torch
-
 from lowdiff.cli.main import main as cli
 from lowdiff.store.manifest import read_manifest
 
@@ -51,13 +49,7 @@ def test_ranks_on_their_drives_killed_then_resumed_with_2_and_1_ranks(tmp_path, 
     assert cli(["inspect", str(ckpt)]) == 0
     assert f"rank-00001: on {rank1}" in capsys.readouterr().out
     assert cli(["export", str(ckpt), "-o", str(tmp_path / "out.pt")]) == 0   # rank 1's shares from its drive
-    exported = torch.load(tmp_path / "out.pt", weights_only=True)
-    torch.manual_seed(0)
-    model = partition_worker.Net(unused=False)
-    model.load_state_dict(exported["model"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt.load_state_dict(exported["optimizer"])
-    assert exported["step"] == STEPS and partition_worker.shared_digest(model, opt) == ref[0][STEPS][1]
+    assert partition_worker.exported_step_and_digest(tmp_path / "out.pt") == (STEPS, ref[0][STEPS][1])
 
     # One rank (the same drives given): rank 1's shares are read from its drive, the state is rank 0's
     # of the uninterrupted run; training on, rank 0 retires the old sets and removes rank 1's directory
