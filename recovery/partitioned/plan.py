@@ -19,6 +19,7 @@ from lowdiff.distributed.partition import (
     session_chain,
 )
 from lowdiff.errors import CheckpointError, MissingDeviceError
+from lowdiff.store.stripes import check_devices
 from recovery.plan import warn
 
 
@@ -88,6 +89,8 @@ def plan(root: str, stop_step: int | None, views: dict | None = None, count_of=N
             for note in inventory.notes:
                 warn(f"lowdiff: {note}")
     manifests = {rank: inventory.manifest for rank, inventory in views.items()}
+    for rank, manifest in manifests.items():   # a striped share's drive not mounted: refused by name
+        check_devices(rank_directory(root, rank), manifest)
     newest = max([b.last for m in manifests.values() for b in m.batches] +
                  [f.step for m in manifests.values() for f in m.fulls], default=-1)
     every = full_sets(root, manifests, count_of)

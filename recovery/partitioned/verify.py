@@ -13,7 +13,14 @@ import fastio
 from lowdiff.distributed.partition import rank_directory, read_views
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format.records import decode_record
-from lowdiff.format.sharefile import parse_diff_share, read_full_share_index, read_own, read_share_bytes_into
+from lowdiff.format.schema import PAYLOAD_OFFSET
+from lowdiff.format.sharefile import (
+    ShareBody,
+    parse_diff_share,
+    read_full_share_index,
+    read_own,
+    read_share_bytes_into,
+)
 from lowdiff.store.inventory import check_entry
 from lowdiff.store.manifest import MANIFEST_NAME, FullEntry
 from recovery.partitioned.plan import plan
@@ -25,6 +32,10 @@ def _check_full_share(path: str, entry: FullEntry, run) -> None:
     with fastio.Reader(path) as reader:
         index = read_full_share_index(path, reader)
         check_entry(path, entry, index, reader.size, run)
+        if index.stripes:   # every stripe file's CRC-32C too (bytes no piece or tensor covers)
+            with ShareBody(path, reader, index, check_stripes=True) as body:
+                body.read_into(PAYLOAD_OFFSET, bytearray(index.body_bytes))
+                body.check()
         read_share_bytes_into(path, reader, index, bytearray(index.end - index.start))
         read_own(path, reader, index)
 
