@@ -22,7 +22,7 @@ from lowdiff.format.sharefile import (
     read_share_bytes_into,
 )
 from lowdiff.store.inventory import check_entry
-from lowdiff.store.manifest import MANIFEST_NAME, FullEntry
+from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, entry_path
 from recovery.partitioned.plan import plan
 from recovery.pipeline.replay import verify_workers
 from recovery.verify import Problem, VerifyReport, _inventory_problems, _manifest_problems, checked
@@ -93,7 +93,7 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
         problems += _rank_problems(directory, inventory)
         name = os.path.basename(directory)
         # (Named rank-NNNNN/NAME wherever the rank directory is: on another drive, its DRIVE.json says.)
-        jobs += [(os.path.join(name, e.file), e, manifest.run, os.path.join(directory, e.file))
+        jobs += [(os.path.join(name, e.file), e, manifest.run, entry_path(directory, e))
                  for e in manifest.fulls + manifest.batches]
         adopted += [os.path.join(name, n) for n in inventory.adopted]
     with concurrent.futures.ThreadPoolExecutor(workers or verify_workers()) as pool:
