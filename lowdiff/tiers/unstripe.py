@@ -29,7 +29,7 @@ from lowdiff.format import container
 from lowdiff.format.fullckpt import read_full_index
 from lowdiff.format.payloadread import StripedPayload
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex
-from lowdiff.format.sharefile import read_full_share_index
+from lowdiff.format.sharefile import FullShareIndex, read_full_share_index
 
 _CHUNK_BYTES = 8 << 20
 SCRATCH_RE = re.compile(r"^\.upload-(\d+)$")   # (docs/format.md, "What may be deleted")
@@ -42,7 +42,7 @@ def unstriped_index(index, objects_offset: int):
                                stripes=(), stripe_bytes=0)
 
 
-def _striped_index(source: str) -> tuple[int, object, int]:
+def _striped_index(source: str) -> tuple[int, FullIndex | FullShareIndex, int]:
     """(container kind, index, bytes at PAYLOAD_OFFSET of the unstriped file) of ``source``: a
     striped full checkpoint, or a striped share (its body: docs/format.md, "More drives than ranks")."""
     if container.file_kind(source) == container.KIND_FULL_SHARE:
