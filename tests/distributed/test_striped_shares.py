@@ -68,6 +68,8 @@ def test_shares_striped_over_share_drives_killed_then_resumed_with_2_and_1_ranks
             assert name in listed or (directory / (name[:-len("-s01.lds")] + ".ldf")).exists(), name
     assert cli(["verify", str(ckpt)]) == 0
     assert "0 do not" in capsys.readouterr().out
+    assert cli(["inspect", str(ckpt)]) == 0
+    assert f"rank-00001: on {rank1}" in capsys.readouterr().out
     assert cli(["export", str(ckpt), "-o", str(tmp_path / "out.pt")]) == 0
     assert partition_worker.exported_step_and_digest(tmp_path / "out.pt") == (STEPS, ref[0][STEPS][1])
     # A 1-rank resume that is not given the drives reads every share from its stripes (resharded).
