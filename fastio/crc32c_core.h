@@ -22,7 +22,7 @@ uint32_t fastio_crc32c(uint32_t crc, const void *buf, size_t len);
 /* Always the portable table (slicing-by-8) path: the reference the hardware path is tested against. */
 uint32_t fastio_crc32c_software(uint32_t crc, const void *buf, size_t len);
 
-/* "sse4.2" or "software": what fastio_crc32c() uses. */
+/* "vpclmulqdq" (long buffers; "sse4.2" below 1 KiB), "sse4.2" or "software": what fastio_crc32c() uses. */
 const char *fastio_crc32c_backend(void);
 
 #endif

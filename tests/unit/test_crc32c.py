@@ -2,6 +2,7 @@
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,31 @@ def reference_crc32c(data: bytes, value: int = 0) -> int:
 
 
 def test_backend_is_known():
-    assert crc32c_backend() in ("sse4.2", "software")
+    assert crc32c_backend() in ("vpclmulqdq", "sse4.2", "software")
+
+
+def test_folding_constants_are_the_powers_of_x_they_claim():
+    """crc32c_core.c's AVX-512 folds across D bytes multiply each 128-bit lane's low half by
+    x^(8D+32) and its high half by x^(8D-32) mod P (reflected, shifted left by one): derived here,
+    so a wrong constant fails by name and not only as a wrong checksum on CPUs that run the path."""
+    poly = 0x11EDC6F41   # Castagnoli, normal form with the x^32 term
+
+    def x_power_mod(n: int) -> int:
+        r = 1
+        for _ in range(n):
+            r <<= 1
+            if r & (1 << 32):
+                r ^= poly
+        return r
+
+    def folded(power: int) -> str:
+        return f"0x{int(f'{x_power_mod(power):032b}'[::-1], 2) << 1:09x}ull"
+
+    source = (Path(__file__).parents[2] / "fastio" / "crc32c_core.c").read_text()
+    for distance in (256, 64, 48, 32, 16):
+        line = next(line for line in source.splitlines()
+                    if line.startswith(f"static const uint64_t FOLD_{distance}[2]"))
+        assert f"{{{folded(8 * distance + 32)}, {folded(8 * distance - 32)}}}" in line, distance
 
 
 @pytest.mark.parametrize("crc", IMPLEMENTATIONS)
@@ -56,9 +81,13 @@ def test_chaining_at_any_split_point(data, cut):
         assert crc(data[split:], crc(data[:split])) == crc(data)
 
 
-@pytest.mark.parametrize("length", [1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 100_003])
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 767, 768, 769, 1023, 1024, 1025, 1024 + 15, 1024 + 16, 1024 + 63,
+                                    1024 + 64, 1280 - 1, 1280, 1280 + 17, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1,
+                                    100_003])
 def test_unaligned_starts_and_odd_lengths(rng, length):
-    """Slices at offsets 1..15: the head bytes before an 8-byte boundary, and every 3-way block size."""
+    """Slices at offsets 1..15: the head bytes before an 8-byte boundary, every 3-way block size,
+    and the AVX-512 folding's edges (from 1 KiB: 256-byte steps, then 64- and 16-byte blocks, then
+    the bytes left to the crc32 instruction)."""
     buffer = rng.integers(0, 256, length + 16, dtype=np.uint8)
     assert fastio.crc32c(buffer[:0]) == 0
     for offset in range(1, 16):
