@@ -160,6 +160,66 @@ VPCLMUL_TARGET static uint32_t vpclmul_raw(uint32_t crc, const unsigned char *p,
     return (uint32_t)c;
 }
 
+/* vpclmul_raw that also copies: every 64 bytes it loads for the checksum are stored at dst too,
+ * with non-temporal (streaming) stores in the 256-byte loop (dst 64-byte aligned): one pass over
+ * memory, no read-for-ownership of dst, and the copy does not evict the cache lines training is
+ * using (nothing on this CPU reads the staging copy again: the disk's DMA does). The stores are
+ * fenced before returning. */
+VPCLMUL_TARGET static uint32_t vpclmul_copy_raw(uint32_t crc, unsigned char *dst, const unsigned char *p,
+                                                size_t len, size_t *done)
+{
+    const unsigned char *start = p;
+    const __m512i k256 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FOLD_256));
+    __m512i b0 = _mm512_loadu_si512(p), b1 = _mm512_loadu_si512(p + 64);
+    __m512i b2 = _mm512_loadu_si512(p + 128), b3 = _mm512_loadu_si512(p + 192);
+    _mm512_stream_si512((void *)dst, b0);
+    _mm512_stream_si512((void *)(dst + 64), b1);
+    _mm512_stream_si512((void *)(dst + 128), b2);
+    _mm512_stream_si512((void *)(dst + 192), b3);
+    __m512i a0 = _mm512_xor_si512(b0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    __m512i a1 = b1, a2 = b2, a3 = b3;
+    p += 256;
+    dst += 256;
+    len -= 256;
+    for (; len >= 256; p += 256, dst += 256, len -= 256) {
+        b0 = _mm512_loadu_si512(p);
+        b1 = _mm512_loadu_si512(p + 64);
+        b2 = _mm512_loadu_si512(p + 128);
+        b3 = _mm512_loadu_si512(p + 192);
+        _mm512_stream_si512((void *)dst, b0);
+        _mm512_stream_si512((void *)(dst + 64), b1);
+        _mm512_stream_si512((void *)(dst + 128), b2);
+        _mm512_stream_si512((void *)(dst + 192), b3);
+        a0 = fold512(a0, k256, b0);
+        a1 = fold512(a1, k256, b1);
+        a2 = fold512(a2, k256, b2);
+        a3 = fold512(a3, k256, b3);
+    }
+    const __m512i k64 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FOLD_64));
+    __m512i a = fold512(a0, k64, a1);
+    a = fold512(a, k64, a2);
+    a = fold512(a, k64, a3);
+    for (; len >= 64; p += 64, dst += 64, len -= 64) {
+        b0 = _mm512_loadu_si512(p);
+        _mm512_storeu_si512((void *)dst, b0);
+        a = fold512(a, k64, b0);
+    }
+    __m128i r = _mm512_extracti32x4_epi32(a, 3);
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 0), FOLD_48));
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 1), FOLD_32));
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 2), FOLD_16));
+    for (; len >= 16; p += 16, dst += 16, len -= 16) {
+        __m128i block = _mm_loadu_si128((const __m128i *)p);
+        _mm_storeu_si128((__m128i *)dst, block);
+        r = _mm_xor_si128(fold128(r, FOLD_16), block);
+    }
+    _mm_sfence();
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
+    *done = (size_t)(p - start);
+    return (uint32_t)c;
+}
+
 static void build_shift_table(uint32_t table[4][256], size_t nbytes)
 {
     uint32_t x = crc_x_pow_bytes(nbytes, POLY);
@@ -202,6 +262,43 @@ uint32_t fastio_crc32c(uint32_t crc, const void *buf, size_t len)
 #else
     return ~sw_raw(~crc, (const unsigned char *)buf, len);
 #endif
+}
+
+/* Copy and checksum in pieces that stay in L2 cache (paths without the folding): the checksum then
+ * reads the copy from cache instead of making a second pass over memory. */
+#define COPY_CHUNK_BYTES (256 * 1024)
+
+uint32_t fastio_copy_crc32c(uint32_t crc, void *dst, const void *src, size_t len)
+{
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+#ifdef HAVE_SSE42_PATH
+    if (use_vpclmul && len >= VPCLMUL_MIN + 64) {
+        size_t head = (64 - ((uintptr_t)d & 63)) & 63; /* bytes until dst is 64-byte aligned */
+        memcpy(d, s, head);
+        uint32_t raw = hw_raw(~crc, s, head);
+        size_t done;
+        raw = vpclmul_copy_raw(raw, d + head, s + head, len - head, &done);
+        size_t at = head + done;
+        memcpy(d + at, s + at, len - at);
+        return ~hw_raw(raw, s + at, len - at);
+    }
+#endif
+    for (size_t at = 0; at < len; at += COPY_CHUNK_BYTES) {
+        size_t piece = len - at < COPY_CHUNK_BYTES ? len - at : COPY_CHUNK_BYTES;
+        memcpy(d + at, s + at, piece);
+        crc = fastio_crc32c(crc, d + at, piece);
+    }
+    return crc;
+}
+
+uint32_t fastio_crc32c_sse42(uint32_t crc, const void *buf, size_t len)
+{
+#ifdef HAVE_SSE42_PATH
+    if (use_hw)
+        return ~hw_raw(~crc, (const unsigned char *)buf, len);
+#endif
+    return ~sw_raw(~crc, (const unsigned char *)buf, len);
 }
 
 uint32_t fastio_crc32c_software(uint32_t crc, const void *buf, size_t len)

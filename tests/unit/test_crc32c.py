@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastio
-from fastio._memops import crc32c_backend, crc32c_software
+from fastio._memops import crc32c_backend, crc32c_software, crc32c_sse42
 
-IMPLEMENTATIONS = [fastio.crc32c, crc32c_software]
+IMPLEMENTATIONS = [fastio.crc32c, crc32c_sse42, crc32c_software]
 
 
 def reference_crc32c(data: bytes, value: int = 0) -> int:
@@ -69,8 +69,8 @@ def test_known_vectors(crc, data, expected):
 @given(data=st.binary(max_size=4096), value=st.integers(0, 2**32 - 1))
 def test_matches_the_bitwise_reference(data, value):
     expected = reference_crc32c(data, value)
-    assert fastio.crc32c(data, value) == expected
-    assert crc32c_software(data, value) == expected
+    for crc in IMPLEMENTATIONS:
+        assert crc(data, value) == expected
 
 
 @settings(deadline=None, max_examples=200)
@@ -95,12 +95,13 @@ def test_unaligned_starts_and_odd_lengths(rng, length):
         expected = crc32c_software(view)
         assert fastio.crc32c(view) == expected
         assert fastio.crc32c(bytes(view)) == expected
+        assert crc32c_sse42(view) == expected
     assert reference_crc32c(bytes(buffer[3:3 + min(length, 800)])) == fastio.crc32c(buffer[3:3 + min(length, 800)])
 
 
 def test_hardware_and_software_agree_on_64_mib(rng):
     data = np.frombuffer(rng.bytes(64 << 20), dtype=np.uint8)
-    assert fastio.crc32c(data) == crc32c_software(data)
+    assert fastio.crc32c(data) == crc32c_software(data) == crc32c_sse42(data)
     # and chained over uneven pieces
     value = 0
     for start, end in [(0, 5), (5, 1 << 20), (1 << 20, (40 << 20) + 3), ((40 << 20) + 3, data.size)]:
