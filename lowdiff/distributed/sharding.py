@@ -33,8 +33,10 @@ under HSDP, all-reduces) in ``reduce_dtype`` (``param_dtype`` when unset), then 
 to ``orig_dtype`` before it becomes the sharded parameter's ``.grad``. The optimizer so consumes a
 gradient of the parameter's own dtype held in ``.grad`` at ``step()``, which is what lowdiff records;
 the replay steps the same optimizer on the same chunk with it, and neither ``output_dtype`` nor
-``cast_forward_inputs`` touch the optimizer. Tested with 2 gloo ranks: ``param_dtype=bfloat16`` with
-``reduce_dtype`` float32 and bfloat16 (tests/distributed/test_fsdp2_mixed_precision.py).
+``cast_forward_inputs`` touch the optimizer. Tested with 2 gloo ranks (gloo runs the bfloat16 and
+float16 collectives on CPU): ``param_dtype=bfloat16`` with ``reduce_dtype`` float32 and bfloat16 (and
+``output_dtype=float32``), ``param_dtype=float16`` with ``reduce_dtype`` float32
+(tests/distributed/test_fsdp2_mixed_precision.py).
 """
 from __future__ import annotations
 
