@@ -20,8 +20,9 @@ Refused (each check names the first offender it finds, in this order):
 - DTensor parameters outside ``fully_shard`` (tensor parallelism), or on a mesh of more than one
   dimension other than HSDP's (FSDP2 + tensor parallelism; a mesh of more than two dimensions): not
   supported yet. FSDP2 on a 1-D mesh and HSDP (``fully_shard(..., mesh=<2-D mesh>)``, placements
-  ``(Replicate(), Shard(d))``) are recorded (lowdiff.distributed.dtensors); under HSDP every rank
-  writes its chunks, so the ranks of one replicate group write the same chunk each.
+  ``(Replicate(), Shard(d))``) are recorded (lowdiff.distributed.dtensors); under HSDP the ranks of
+  one replicate group hold the same chunks, and each chunk is written by one of them
+  (docs/format.md, "2-D meshes").
 
 Also refused: replica mode (``lowdiff.Replica``) with DTensor parameters (its CPU copy is of whole
 tensors). Not refused: ``reshard_after_forward`` (it changes when parameters are gathered, not what the

@@ -122,10 +122,12 @@ class MergedShares:
         own = self._own
         # This rank's chunk of a DTensor slot the own share records elsewhere (HSDP): the recording
         # share's, when its chunk entry is the own share's and that is this rank's live chunk.
-        lent = {slot: share for slot, share in (self._elsewhere[own].items() if own is not None else ())
-                if slot < param_count and self._chunks[share].get(slot) == self._chunks[own].get(slot) and
-                (self._own_chunks or slot in self._live and dtensors.same_chunk(self._chunks[own][slot],
-                                                                                self._live[slot]))}
+        lent = {}
+        if own is not None:
+            mine = self._chunks[own]
+            lent = {slot: share for slot, share in self._elsewhere[own].items()
+                    if slot < param_count and self._chunks[share].get(slot) == mine.get(slot) and
+                    (self._own_chunks or slot in self._live and dtensors.same_chunk(mine[slot], self._live[slot]))}
         for share, slots in enumerate(slots_per_share):
             for slot in slots:
                 if slot < 0:   # a DTensor chunk: this rank's own if it is its live chunk

@@ -95,6 +95,12 @@ def test_each_chunk_is_written_once_and_the_directory_verifies(hsdp_run):
     checked = subprocess.run([sys.executable, "-m", "lowdiff", "verify", str(directory)], capture_output=True,
                              text=True, timeout=180)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    inspected = subprocess.run([sys.executable, "-m", "lowdiff", "inspect", str(directory)], capture_output=True,
+                               text=True, timeout=180)
+    assert inspected.returncode == 0, inspected.stderr
+    held_by_0 = len(shares[2][0].elsewhere)
+    assert f"share 2 of 4: {len(shares[2][0].tensors)} own tensors ({len(shares[2][1])} of them DTensor chunks), " \
+           f"{held_by_0} chunk{'s' * (held_by_0 > 1)} in share 0" in inspected.stdout, inspected.stdout
 
 
 def test_sigkill_of_every_rank_resumes_exactly_at_the_same_mesh(tmp_path, hsdp_run):
