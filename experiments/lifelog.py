@@ -8,10 +8,13 @@ driver and its children on Linux):
     life  T                           the driver, just before it starts a trainer
     resumed T LOAD_S REPLAY_S N       the trainer, when recovery.resume returned (N records replayed)
     step  T F/B                       the trainer, at the end of each step (F/off: no differentials)
+    kill  T                           the driver, just before it sends SIGKILL
     end   T                           the driver, once the trainer it SIGKILLed is reaped
 
-Each line is one os.write on a file opened O_APPEND, and the driver writes only while no trainer
-runs: lines never interleave, and a trainer killed mid-step leaves whole lines behind.
+Each line is one os.write of a few dozen bytes on a file opened O_APPEND (Linux appends each such
+write whole, under the file's lock), so the driver's "kill" and a step's line never interleave,
+and a trainer killed mid-step leaves whole lines behind. (Timelines written before "kill" existed
+read as lives killed at their "end".)
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def write(path: str, *fields: object) -> None:
 class Life:
     start: float
     end: float = math.nan
+    kill: float = math.nan       # (no "kill" line: the life's end)
     load_s: float = 0.0          # nothing to load in a fresh directory's first life
     replay_s: float = 0.0
     replayed: int = 0
@@ -71,6 +75,10 @@ def read(path: str) -> list[Life]:
                 life = lives[-1]
                 if kind == "end":
                     life.end = t
+                    if math.isnan(life.kill):
+                        life.kill = t
+                elif kind == "kill":
+                    life.kill = t
                 elif kind == "resumed":
                     life.resumed, life.load_s, life.replay_s, life.replayed = \
                         True, float(fields[2]), float(fields[3]), int(fields[4])
