@@ -109,6 +109,7 @@ def summarize(lives: list[Life]) -> dict:
       first step's warm-up; over every life: a life killed before its first step ended counts as a
       restart at least that long (Kaplan-Meier: the kills, a Poisson process, cut long restarts
       more often than short ones, so a mean over the lives that finished a step is too short);
+    before_sd_s: the standard deviation of that time over the lives that finished a step;
     reap_s: the mean time from a kill to the trainer reaped (the driver then starts the next one),
       the part of a restart the trainer's own events do not show;
     load_s: resume's load time, mean over the lives that resumed (a life killed before it is not
@@ -139,6 +140,7 @@ def summarize(lives: list[Life]) -> dict:
             # (as the validation took them before: over the lives that finished a step)
             "before_finished_s": float(np.mean([t for t, e in zip(to_first, ended) if e])) - step_s
             if started else math.nan,
+            "before_sd_s": float(np.std([t for t, e in zip(to_first, ended) if e])) if started else math.nan,
             "before_minus_resume_finished_s": float(np.mean([t - r for t, r, e in zip(to_first, resume, ended) if e]))
             - step_s if started else math.nan,
             "reap_s": float(np.mean([life.end - life.kill for life in lives])),

@@ -114,6 +114,13 @@ class Evaluation:
     # Of per_failure_s, the time a session spends restarting, loading, replaying and taking its
     # base checkpoint before the next failure cuts it (the rest is work lost).
     recovery_s: float = 0.0
+    # The session the waste is computed for: nothing kept until dead_s (restart, load, replay, base
+    # checkpoint, and the first chunk's write or persist latency) has passed, then chunk_steps
+    # steps at a time, each chunk chunk_s long on average, with variance chunk_var_s2.
+    dead_s: float = 0.0
+    chunk_s: float = 0.0
+    chunk_steps: int = 0
+    chunk_var_s2: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -149,7 +156,8 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
     # Before a session makes anything durable: restart, load, replay, its base checkpoint's stall.
     before_s = costs.restart_s + costs.load_s + costs.replay_s * replay_steps + costs.stall_s
     # Steps independent: a chunk of n steps varies n times as much as one step.
-    lost_share = _lost_share(rate, before_s + latency_s, chunk_s, chunk_steps * costs.step_var_s2)
+    chunk_var_s2 = chunk_steps * costs.step_var_s2
+    lost_share = _lost_share(rate, before_s + latency_s, chunk_s, chunk_var_s2)
     # The expected wall time one failure costs (rare failures: before_s + latency_s + chunk_s / 2
     # + chunk_var / (2 chunk_s), i.e. restart + load + replay + base checkpoint + the steps lost,
     # the chunk in progress length-biased, docs/controller.md).
@@ -171,7 +179,7 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
         violated.append("recovery")
     recovery_s = -math.expm1(-rate * before_s) / rate      # E[min(session, before_s)]
     return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated),
-                      recovery_s)
+                      recovery_s, before_s + latency_s, chunk_s, chunk_steps, chunk_var_s2)
 
 
 def _lost_share(rate: float, before_s: float, chunk_s: float, chunk_var_s2: float = 0.0) -> float:
