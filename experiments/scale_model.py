@@ -348,7 +348,7 @@ def predicted_goodput(costs: Costs, limits: Limits, full_every: int, batch_steps
     return (1.0 - evaluate(costs, limits, full_every, batch_steps).waste) / costs.step_s
 
 
-def run_spread(e: Evaluation, rate: float, lives: int, dead_sd_s: float, replicas: int = 4000,
+def run_spread(e: Evaluation, rate: float, lives: int, dead_sd_s: float, replicas: int = 2000,
                seed: int = 0) -> tuple[float, float]:
     """The mean and standard deviation of the goodput a run of ``lives`` stratified lives
     (lifelog.stratified_lives, mean 1/rate) would measure if the model's session were exactly
@@ -357,10 +357,11 @@ def run_spread(e: Evaluation, rate: float, lives: int, dead_sd_s: float, replica
     mean and variance. Not a prediction (evaluate is that; this mean is its check): how far one
     run of a dozen lives lands from the expectation by where its kills happen to fall in the
     chunks, against which a row's error is judged."""
+    import lifelog
     import numpy as np  # (only here: the rest of the model is pure Python)
 
-    import lifelog
-
+    if lives / rate / e.chunk_s > 1e5:         # a run of that many chunks: no scatter worth simulating
+        return math.nan, math.nan
     rng = np.random.default_rng(seed)
     n = e.chunk_steps
     scale = e.chunk_var_s2 / e.chunk_s if e.chunk_var_s2 > 0 else 0.0
@@ -368,8 +369,8 @@ def run_spread(e: Evaluation, rate: float, lives: int, dead_sd_s: float, replica
     for _ in range(replicas):
         x = np.array(lifelog.stratified_lives(rng, 1.0 / rate, lives / rate))
         dead = np.maximum(e.dead_s + dead_sd_s * rng.standard_normal(len(x)), 0.0)
-        most = int(np.max(x) / e.chunk_s * 2) + 10
-        chunks = rng.gamma(e.chunk_s / scale, scale, (len(x), most)) if scale > 0 else np.full((len(x), most), e.chunk_s)
+        shape = (len(x), int(np.max(x) / e.chunk_s * 2) + 10)
+        chunks = rng.gamma(e.chunk_s / scale, scale, shape) if scale > 0 else np.full(shape, e.chunk_s)
         ends = np.cumsum(chunks, axis=1) + dead[:, None]
         # (the chunks' time kept over a step's mean, as evaluate counts it: its mean is the model's)
         goodputs.append(np.sum(chunks * (ends <= x[:, None])) / (e.chunk_s / n) / np.sum(x))
@@ -526,7 +527,8 @@ def validate(results_dir: str) -> list[dict]:
             earlier = predicted_goodput(costs_of(measured, restart_s if not math.isnan(restart_s) else earlier_restart,
                                                  1.0), csv_limits, full_every, batch_steps)
         row.update(lambda_d=lambda_d, model_waste_pct=100 * waste, measured_goodput=got, predicted_goodput=model,
-                   error_pct=_error(model, got), spread_pct=spread_pct, previous_model=previous, error_previous_pct=_error(previous, got),
+                   error_pct=_error(model, got), spread_pct=spread_pct, previous_model=previous,
+                   error_previous_pct=_error(previous, got),
                    first_order=first, error_first_pct=_error(first, got), ctl_costs=ctl,
                    error_ctl_pct=_error(ctl, got), predicted_earlier_costs=earlier,
                    error_earlier_pct=_error(earlier, got))
@@ -591,8 +593,9 @@ def print_validation(rows: list[dict]) -> None:
           "step without the variance); rate*D: the failure rate times the first-order cost of a failure (small: "
           "the first-order regime); waste: the model's share of the time lost; previous: the model with "
           "deterministic steps and the restart averaged over the lives that finished a step, no reaping (the "
-          "validation before); run sd: the standard deviation of one run's goodput, of that many lives, if the model "
-          "were exactly true (where the kills fall in the chunks, the restarts' spread: run_spread). Assumed: failures a Poisson process (the lives' lengths are exponential), exact; "
+          "validation before); run sd: the standard deviation of one run's goodput, of that many lives, if the "
+          "model were exactly true (where the kills fall in the chunks, the restarts' spread: run_spread). "
+          "Assumed: failures a Poisson process (the lives' lengths are exponential), exact; "
           "chunk lengths Gamma distributed with the steps' mean and variance (steps independent); a restart of "
           "fixed length (its mean); batches and full intervals counted from each session's base checkpoint, at "
           "their nominal lengths; the replay half an interval plus the persist)")
