@@ -301,3 +301,19 @@ def test_validation_summarises_the_timeline_afresh_when_it_is_there(tmp_path):
     [fresh] = sm.validate(str(tmp_path))
     assert fresh["step_s"] == pytest.approx(0.8) and fresh["reap_s"] == pytest.approx(0.8 / 3)
     assert fresh["step_sd_s"] == pytest.approx(np.std([0.5, 0.5, 1.0, 0.5, 1.5]))
+
+
+def test_one_run_of_a_dozen_lives_scatters_most_with_long_chunks():
+    """run_spread simulates the model's own session over runs of stratified lives: its mean is the
+    model's goodput, and a run of 12 lives scatters by where its kills fall in the chunks, most
+    with full checkpoints only every 20 steps (a kill loses up to 20 steps of a few hundred)."""
+    c = sm.Costs(step_s=0.5, stall_s=0.05, persist_s=0.4, replay_s=0.04, load_s=0.15, restart_s=4.0,
+                 batch_fixed_s=0.03, diff_bytes_per_step=2e7, write_bytes_per_s=1e9, step_var_s2=0.05)
+    rate = 1 / 20
+    spreads = {}
+    for full_every, batch_steps in ((20, None), (10, 1)):
+        e = evaluate(c, Limits(failure_rate_per_s=rate), full_every, batch_steps)
+        mean, sd = sm.run_spread(e, rate, 12, 0.0, replicas=600)
+        assert mean == pytest.approx((1 - e.waste) / c.step_s, rel=0.02)
+        spreads[batch_steps] = sd / mean
+    assert spreads[None] > 0.07 and spreads[1] < 0.06 and spreads[None] > 1.5 * spreads[1]
