@@ -24,6 +24,9 @@ Configurations (``--configs`` selects a subset; each starts from a fresh model a
   lowdiff-full5-instep  the same with Options(full_copy="in_step"): the state is copied inside
                  step() instead of beside the next iteration (issue #32: which costs the
                  iterations less on a machine whose cores all train)
+  lowdiff-full5-only  full checkpoints every 5 steps and no differentials (Fixed(differentials=
+                 False)), against plain: the full checkpoint's cost without TopK's step-to-step
+                 spread, which at gpt2-124m (torch.topk of 124M gradients) is larger than the cost
 
 The iteration time covers forward, backward, compression (topk-base*), opt.step(), the checkpoint
 call (save-*, dcp-*) and zero_grad(). Work left at the end (lowdiff close(), the last DCP future)
@@ -81,14 +84,16 @@ STALL_FULL_EVERY = 5
 MEMCPY_REPS = 5
 
 ALL_CONFIGS = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10",
-               "lowdiff-dense", "dcp-async", "lowdiff-full5", "lowdiff-full5-instep")
-LOWDIFF_CONFIGS = ("lowdiff-topk", "lowdiff-dense", "lowdiff-full5", "lowdiff-full5-instep")
-FULL5_CONFIGS = ("lowdiff-full5", "lowdiff-full5-instep")   # a full checkpoint every STALL_FULL_EVERY steps
+               "lowdiff-dense", "dcp-async", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
+LOWDIFF_CONFIGS = ("lowdiff-topk", "lowdiff-dense", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
+# a full checkpoint every STALL_FULL_EVERY steps
+FULL5_CONFIGS = ("lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
 INTERLEAVABLE = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10")
 BASELINE_OF = {
     "plain": None, "topk-base": None, "topk-base-mn": None,
     "lowdiff-topk": "topk-base", "lowdiff-full5": "topk-base", "lowdiff-full5-instep": "topk-base",
-    "lowdiff-dense": "plain", "save-1": "plain", "save-10": "plain", "dcp-async": "plain",
+    "lowdiff-dense": "plain", "lowdiff-full5-only": "plain",
+    "save-1": "plain", "save-10": "plain", "dcp-async": "plain",
 }
 LABEL = {
     "plain": "plain (no compression, no ckpt)",
@@ -101,6 +106,7 @@ LABEL = {
     "dcp-async": "DCP async_save every step",
     "lowdiff-full5": "lowdiff TopK(0.01) full_every=5",
     "lowdiff-full5-instep": "  same, full copy in step()",
+    "lowdiff-full5-only": "lowdiff full_every=5, no diffs",
 }
 
 TARGET_TOPK_OVERHEAD_PCT = 2.0
@@ -345,9 +351,10 @@ class Trainer:
             total = args.warmup + args.steps
             full_every = STALL_FULL_EVERY if name in FULL5_CONFIGS else 10 * total + 1000
             full_copy = "in_step" if name == "lowdiff-full5-instep" else "background"
+            schedule = lowdiff.Fixed(full_every=full_every, batch_steps=BATCH_STEPS,
+                                     differentials=name != "lowdiff-full5-only")
             self.opt = lowdiff.wrap(self.raw_opt, self.model, str(run_dir), compressor=compressor,
-                                    full_every=full_every, batch_steps=BATCH_STEPS,
-                                    options=lowdiff.Options(full_copy=full_copy))
+                                    schedule=schedule, options=lowdiff.Options(full_copy=full_copy))
 
     def _before_step(self) -> None:
         if self.name == "topk-base":
@@ -769,7 +776,8 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
         target(None, "differential / full checkpoint bytes: not measured")
     if stall_rows and memcpy_ms == memcpy_ms:
         for row in stall_rows:
-            name = " (copy in step())" if row["config"].endswith("-instep") else " (background copy)"
+            name = {"-instep": " (copy in step())", "-only": " (background copy, no differentials)"}.get(
+                row["config"][len("full-stall"):], " (background copy)")
             target(row["stall_ms"] <= memcpy_ms, f"full-checkpoint stall{name}, training thread blocked "
                    f"{row['stall_ms']:.1f} ms <= one memcpy of the state {memcpy_ms:.1f} ms "
                    f"(lowdiff's own measure {row['lowdiff_stall_ms']:.2f} ms)")

@@ -8,10 +8,13 @@ driver and its children on Linux):
     life  T                           the driver, just before it starts a trainer
     resumed T LOAD_S REPLAY_S N       the trainer, when recovery.resume returned (N records replayed)
     step  T F/B                       the trainer, at the end of each step (F/off: no differentials)
+    kill  T                           the driver, just before it sends SIGKILL
     end   T                           the driver, once the trainer it SIGKILLed is reaped
 
-Each line is one os.write on a file opened O_APPEND, and the driver writes only while no trainer
-runs: lines never interleave, and a trainer killed mid-step leaves whole lines behind.
+Each line is one os.write of a few dozen bytes on a file opened O_APPEND (Linux appends each such
+write whole, under the file's lock), so the driver's "kill" and a step's line never interleave,
+and a trainer killed mid-step leaves whole lines behind. (Timelines written before "kill" existed
+read as lives killed at their "end".)
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def write(path: str, *fields: object) -> None:
 class Life:
     start: float
     end: float = math.nan
+    kill: float = math.nan       # (no "kill" line: the life's end)
     load_s: float = 0.0          # nothing to load in a fresh directory's first life
     replay_s: float = 0.0
     replayed: int = 0
@@ -71,6 +75,10 @@ def read(path: str) -> list[Life]:
                 life = lives[-1]
                 if kind == "end":
                     life.end = t
+                    if math.isnan(life.kill):
+                        life.kill = t
+                elif kind == "kill":
+                    life.kill = t
                 elif kind == "resumed":
                     life.resumed, life.load_s, life.replay_s, life.replayed = \
                         True, float(fields[2]), float(fields[3]), int(fields[4])
@@ -92,9 +100,18 @@ def summarize(lives: list[Life]) -> dict:
       within a life, over every life (checkpoint stalls, recording and the writers' competition for
       the CPU included, as the model's step time with full checkpoints amortised, and as the load
       of the machine made it during the run, not during the last 63 steps);
+    step_var_s2: the variance of those times (a kill lands in a long step more often than in a
+      short one: the model charges the step in progress E[S^2] / 2 E[S], not E[S] / 2);
+    in_progress_s: the mean time from a life's last step end to its kill (the step the kill cut
+      short), to set beside the model's E[S^2] / 2 E[S];
     before_s: the mean time from a trainer's start to the end of its first step, less one steady
       step: restart (fork, imports, model build, wrap), load, replay, the base checkpoint and the
-      first step's warm-up; over the lives that finished a step;
+      first step's warm-up; over every life: a life killed before its first step ended counts as a
+      restart at least that long (Kaplan-Meier: the kills, a Poisson process, cut long restarts
+      more often than short ones, so a mean over the lives that finished a step is too short);
+    before_sd_s: the standard deviation of that time over the lives that finished a step;
+    reap_s: the mean time from a kill to the trainer reaped (the driver then starts the next one),
+      the part of a restart the trainer's own events do not show;
     load_s: resume's load time, mean over the lives that resumed (a life killed before it is not
       a load of 0 s; the first life of a fresh directory loads nothing, as the model's first
       failure's restart would);
@@ -102,20 +119,46 @@ def summarize(lives: list[Life]) -> dict:
     settings: the settings in force at each step, counted."""
     if not lives or any(math.isnan(life.end) for life in lives):
         raise ValueError("a life without its end: the run was interrupted")
-    within = [(life.steps[-1] - life.steps[0], len(life.steps) - 1) for life in lives if len(life.steps) > 1]
-    spans, intervals = sum(s for s, _ in within), sum(n for _, n in within)
-    step_s = spans / intervals if intervals else math.nan
+    gaps = np.concatenate([np.diff(life.steps) for life in lives] + [np.zeros(0)])
+    step_s = float(np.mean(gaps)) if len(gaps) else math.nan
     started = [life for life in lives if life.steps]
-    before = [life.steps[0] - life.start - step_s for life in started]
+    # Each life's time to its first step end, or (cut short) to its kill; less its own load and
+    # replay for the restart alone.
+    to_first = [(life.steps[0] if life.steps else life.kill) - life.start for life in lives]
+    resume = [life.load_s + life.replay_s for life in lives]
+    ended = [bool(life.steps) for life in lives]
     counts: dict[str, int] = {}
     for life in lives:
         for s in life.settings:
             counts[s] = counts.get(s, 0) + 1
     return {"lives": len(lives), "wall_s": sum(life.end - life.start for life in lives),
             "steps_run": sum(len(life.steps) for life in lives), "step_s": step_s,
-            "before_s": float(np.mean(before)) if before else math.nan,
-            "before_minus_resume_s": float(np.mean([b - life.load_s - life.replay_s
-                                                     for b, life in zip(before, started)])) if before else math.nan,
+            "step_var_s2": float(np.var(gaps)) if len(gaps) else math.nan,
+            "in_progress_s": float(np.mean([life.kill - life.steps[-1] for life in started])) if started else math.nan,
+            "before_s": censored_mean(to_first, ended) - step_s,
+            "before_minus_resume_s": censored_mean([t - r for t, r in zip(to_first, resume)], ended) - step_s,
+            # (as the validation took them before: over the lives that finished a step)
+            "before_finished_s": float(np.mean([t for t, e in zip(to_first, ended) if e])) - step_s
+            if started else math.nan,
+            "before_sd_s": float(np.std([t for t, e in zip(to_first, ended) if e])) if started else math.nan,
+            "before_minus_resume_finished_s": float(np.mean([t - r for t, r, e in zip(to_first, resume, ended) if e]))
+            - step_s if started else math.nan,
+            "reap_s": float(np.mean([life.end - life.kill for life in lives])),
             "load_s": float(np.mean([life.load_s for life in lives if life.resumed] or [0.0])),
             "replay_s": sum(life.replay_s for life in lives), "replayed": sum(life.replayed for life in lives),
             "short_lives": len(lives) - len(started), "settings": counts}
+
+
+def censored_mean(times: list[float], observed: list[bool]) -> float:
+    """The mean of a duration from observations some of which were cut short (``observed`` False:
+    the duration is at least its time): the area under the Kaplan-Meier survival curve, the
+    estimate that stays unbiased when what cuts durations short is independent of them. Beyond the
+    longest time observed, nothing is known: the curve stops there."""
+    order = sorted(zip(times, observed), key=lambda p: (p[0], not p[1]))
+    survival, previous, area = 1.0, 0.0, 0.0
+    for index, (t, seen) in enumerate(order):
+        area += survival * (t - previous)
+        previous = t
+        if seen:
+            survival *= 1.0 - 1.0 / (len(order) - index)
+    return area if order else math.nan

@@ -419,17 +419,20 @@ class Launcher:
                    "100000000", model, log_path, timeline]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=_repo())
 
-    def kill_after(self, proc, life_s: float) -> None:
-        """Let ``proc`` live ``life_s`` seconds, then SIGKILL it (and reap it)."""
+    def kill_after(self, proc, life_s: float, timeline: str) -> None:
+        """Let ``proc`` live ``life_s`` seconds, then SIGKILL it (and reap it); the moment of the
+        kill goes to ``timeline`` (the reaping after it is part of the restart a kill costs)."""
         if self.how == "fork":
             proc.join(timeout=life_s)
             if proc.is_alive():
+                lifelog.write(timeline, "kill")
                 os.kill(proc.pid, signal.SIGKILL)
             proc.join()
             return
         try:
             proc.wait(timeout=life_s)
         except subprocess.TimeoutExpired:
+            lifelog.write(timeline, "kill")
             proc.send_signal(signal.SIGKILL)
             proc.wait()
 
@@ -451,7 +454,7 @@ def real_round(launcher: Launcher, settings_list: list[str], lives: list[float],
             timeline = log_path[:-len(".log")] + ".timeline"
             lifelog.write(timeline, "life")
             proc = launcher.start(directories[settings], settings, 3600 / mtbf_s, model, log_path, timeline)
-            launcher.kill_after(proc, life_s)
+            launcher.kill_after(proc, life_s, timeline)
             lifelog.write(timeline, "end")
     rows = []
     for settings, directory in directories.items():

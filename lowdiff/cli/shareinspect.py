@@ -33,7 +33,12 @@ def _share_summary(index) -> str:
     (the set's few replicated tensors fall in one share's range): said in words, not as "0..0"."""
     if isinstance(index, str):
         return index
-    chunks = f" ({len(index.dtensors)} of them DTensor chunks)" if index.dtensors else ""
+    held = len(index.dtensors) - len(index.elsewhere)
+    chunks = f" ({held} of them DTensor chunks)" if index.dtensors else ""
+    if index.elsewhere:   # HSDP: written by another rank of the replicate group (docs/format.md, "2-D meshes")
+        lenders = sorted({e["share"] for e in index.elsewhere.values()})
+        chunks += f", {len(index.elsewhere)} chunk{'s' * (len(index.elsewhere) > 1)} in share" \
+                  f"{'s' * (len(lenders) > 1)} {', '.join(str(j) for j in lenders)}"
     if index.shared_bytes == 0:
         shared = "no shared payload"
     elif index.start == index.end:
@@ -55,7 +60,8 @@ def _chunk_lines(step: int, indexes: dict) -> list[str]:
         return []
     lines = [f"sharded tensors of the set of step {step} (each share holds its chunk; global ranges by share):"]
     for key in keys:
-        entries = {rank: index.dtensors[key] for rank, index in indexes.items() if key in index.dtensors}
+        entries = {rank: index.dtensors[key] for rank, index in indexes.items()
+                   if key in index.dtensors and key not in index.elsewhere}   # the shares that hold it
         first = next(iter(entries.values()))
         where = ", ".join(f"{rank}: {_extent(e)}" if all(e["shape"]) else f"{rank}: empty"
                           for rank, e in entries.items())

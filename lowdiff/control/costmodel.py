@@ -24,6 +24,9 @@ class Costs:
     write_bytes_per_s: the device's sustained write bandwidth.  replay_s: replaying one differential
     (read + decode + optimizer step).  load_s: loading a full checkpoint.  restart_s: from a failure
     to the restarted process calling resume (scheduler, interpreter, imports, model build).
+    step_var_s2: the variance of one step's wall time (s^2); a failure lands in a long step more
+    often than in a short one, so the work it finds in progress is length-biased (0: every step
+    takes its mean, the model's behaviour before this input existed; docs/controller.md).
     """
 
     step_s: float
@@ -37,6 +40,7 @@ class Costs:
     diff_bytes_per_step: float = 0.0
     write_bytes_per_s: float = math.inf
     restart_s: float = 0.0
+    step_var_s2: float = 0.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -110,6 +114,13 @@ class Evaluation:
     # Of per_failure_s, the time a session spends restarting, loading, replaying and taking its
     # base checkpoint before the next failure cuts it (the rest is work lost).
     recovery_s: float = 0.0
+    # The session the waste is computed for: nothing kept until dead_s (restart, load, replay, base
+    # checkpoint, and the first chunk's write or persist latency) has passed, then chunk_steps
+    # steps at a time, each chunk chunk_s long on average, with variance chunk_var_s2.
+    dead_s: float = 0.0
+    chunk_s: float = 0.0
+    chunk_steps: int = 0
+    chunk_var_s2: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -130,6 +141,7 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
     if batch_steps is not None:
         write_s = costs.batch_write_s(batch_steps)
         chunk_s, latency_s = batch_steps * step_s, write_s       # a batch is durable write_s after it ends
+        chunk_steps = batch_steps
         lost_steps = batch_steps / 2 + write_s / step_s
         # (A session's base checkpoint makes the chain shorter than F/2 when sessions are short;
         # left out: on the safe side, and it keeps the waste unimodal in F, docs/controller.md.)
@@ -138,13 +150,17 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
     else:
         write_s = 0.0
         chunk_s, latency_s = full_every * step_s, persist_s      # a full is durable persist_s after it
+        chunk_steps = full_every
         replay_steps = 0.0
         worst_recovery_s = costs.load_s
     # Before a session makes anything durable: restart, load, replay, its base checkpoint's stall.
     before_s = costs.restart_s + costs.load_s + costs.replay_s * replay_steps + costs.stall_s
-    lost_share = _lost_share(rate, before_s + latency_s, chunk_s)
-    # The expected wall time one failure costs (rare failures: before_s + latency_s + chunk_s / 2,
-    # i.e. restart + load + replay + base checkpoint + the steps lost, docs/controller.md).
+    # Steps independent: a chunk of n steps varies n times as much as one step.
+    chunk_var_s2 = chunk_steps * costs.step_var_s2
+    lost_share = _lost_share(rate, before_s + latency_s, chunk_s, chunk_var_s2)
+    # The expected wall time one failure costs (rare failures: before_s + latency_s + chunk_s / 2
+    # + chunk_var / (2 chunk_s), i.e. restart + load + replay + base checkpoint + the steps lost,
+    # the chunk in progress length-biased, docs/controller.md).
     per_failure_s = lost_share / rate
     waste = 1.0 - (costs.step_s / step_s) * (1.0 - lost_share)
     overhead = 1.0 - costs.step_s / step_s
@@ -163,10 +179,10 @@ def evaluate(costs: Costs, limits: Limits, full_every: int, batch_steps: int | N
         violated.append("recovery")
     recovery_s = -math.expm1(-rate * before_s) / rate      # E[min(session, before_s)]
     return Evaluation(full_every, batch_steps, waste, overhead, per_failure_s, worst_recovery_s, tuple(violated),
-                      recovery_s)
+                      recovery_s, before_s + latency_s, chunk_s, chunk_steps, chunk_var_s2)
 
 
-def _lost_share(rate: float, before_s: float, chunk_s: float) -> float:
+def _lost_share(rate: float, before_s: float, chunk_s: float, chunk_var_s2: float = 0.0) -> float:
     """The share of wall time that failures (a Poisson process of ``rate``) leave nothing durable
     for, exactly: a session keeps nothing until ``before_s`` has passed (a failure in it starts
     the next session), then makes ``chunk_s`` of work durable at a time. With X the session's
@@ -177,10 +193,24 @@ def _lost_share(rate: float, before_s: float, chunk_s: float) -> float:
     the model charged before, and it overstates the loss once failures come within a few
     intervals and restarts (then a session cut short loses what it ran, not a whole failure's
     cost): at rate * (before_s + chunk_s / 2) = 0.5 the share kept is 0.58-0.61, not 0.5
-    (docs/controller.md)."""
+    (docs/controller.md).
+
+    Chunks whose lengths vary (``chunk_var_s2`` > 0, taken as Gamma distributed with that mean
+    and variance, shape k = chunk_s^2 / var, scale t = var / chunk_s): the work kept per session is
+    E[C e^(-rate C)] / (1 - E[e^(-rate C)]) times exp(-rate before_s), and h becomes
+    rate chunk_s / ((1 + rate t) expm1(k log1p(rate t))); to first order a failure then loses
+    chunk_s / 2 + var / (2 chunk_s) of the chunk in progress, not chunk_s / 2 (a failure lands in
+    a long chunk more often than in a short one)."""
     x = rate * chunk_s
-    # 1 - h(x), without the cancellation of 1 - x / expm1(x) for small x.
-    not_h = x / 2 - x * x / 12 if x < 1e-4 else 1.0 - x / math.expm1(min(x, 700.0))
+    rate_t = rate * chunk_var_s2 / chunk_s if chunk_s > 0 else 0.0
+    if 0 < rate_t < 1e-6 and x < 1e-4:      # rare failures: the first order, without cancellation
+        not_h = (x + rate_t) / 2 - x * x / 12
+    elif rate_t > 0:
+        y = (chunk_s / (chunk_var_s2 / chunk_s)) * math.log1p(rate_t)      # k log1p(rate t), -> x as t -> 0
+        not_h = 1.0 - x / ((1.0 + rate_t) * math.expm1(min(y, 700.0)))
+    else:
+        # 1 - h(x), without the cancellation of 1 - x / expm1(x) for small x.
+        not_h = x / 2 - x * x / 12 if x < 1e-4 else 1.0 - x / math.expm1(min(x, 700.0))
     return not_h + (1.0 - not_h) * -math.expm1(-rate * before_s)
 
 

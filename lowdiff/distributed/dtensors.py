@@ -64,6 +64,38 @@ def chunk_entry(tensor) -> dict:
             "shape": list(local_shape)}
 
 
+def replica_group(tensor) -> tuple:
+    """The global ranks holding the same chunk of the DTensor ``tensor`` as this rank, this one
+    included, in increasing order: those whose mesh coordinates differ from this rank's only on
+    dimensions placed Replicate (HSDP's replicate dimension); just this rank when nothing is."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or not any(isinstance(p, Replicate) for p in tensor.placements):
+        return (torch.distributed.get_rank(),)
+    where = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(tensor.placements, coordinate))
+    return tuple(sorted(int(r) for r in mesh.mesh[where].reshape(-1).tolist()))
+
+
+def assign_holders(items: list) -> dict:
+    """{name: the rank that writes it} for ``items`` [(name, replica group, bytes)] (docs/format.md,
+    "2-D meshes"): within each group, largest first (ties: in ``items`` order) to the rank with the
+    fewest bytes so far (ties: the lowest). Every rank of a group has the same names and sizes, so
+    each computes the same answer without a collective."""
+    by_group: dict = {}
+    for position, (name, group, nbytes) in enumerate(items):
+        by_group.setdefault(tuple(group), []).append((-nbytes, position, name))
+    out = {}
+    for group, members in by_group.items():
+        loads = dict.fromkeys(group, 0)
+        for negative, _, name in sorted(members):
+            holder = min(group, key=lambda r: (loads[r], r))
+            out[name] = holder
+            loads[holder] -= negative
+    return out
+
+
 def meshes_of(tensors) -> dict:
     """{(mesh shape, dim names): mesh} of the DTensors among ``tensors``."""
     out: dict = {}

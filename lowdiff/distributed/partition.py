@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 import fastio
-from lowdiff.distributed.dtensors import chunk_entry, is_dtensor
+from lowdiff.distributed.dtensors import assign_holders, chunk_entry, is_dtensor, local_chunk, replica_group
 from lowdiff.distributed.sharesnapshot import ShareSnapshot
 from lowdiff.errors import CheckpointError, MissingDeviceError, MissingRankDirectoryError
 from lowdiff.format.records import StepRecord, encode_record
@@ -257,6 +257,8 @@ class Partition:
     world: int
     owned: list = dataclasses.field(default_factory=list)   # slots of each share, see assign_slots
     chunks: dict = dataclasses.field(default_factory=dict)  # {slot: chunk entry}: DTensor slots, in every share
+    elsewhere: dict = dataclasses.field(default_factory=dict)  # {slot: share}: DTensor gradients another rank
+                                                               # of the replicate group records (HSDP)
     session: str | None = None                              # the set's session, from join()
     # This rank's stripe directories on its other share drives (lowdiff.distributed.drives; empty:
     # its shares are not striped).
@@ -275,10 +277,16 @@ class Partition:
     def of(cls, root, rank: int, world: int, params: list) -> Partition:
         # A DTensor parameter's gradient differs on every rank (each its local chunk): every share
         # holds its own; the others are assigned to one share each (docs/format.md, "Sharded state").
+        # Under HSDP the ranks of a replicate group consume the same chunk: one of them records it
+        # ("2-D meshes"). ``owned`` of the other shares lists every DTensor slot (only this rank's is used).
         chunks = {slot: chunk_entry(p) for slot, p in enumerate(params) if is_dtensor(p)}
+        holders = assign_holders([(slot, replica_group(params[slot]), local_chunk(params[slot]).nbytes)
+                                  for slot in chunks])
+        elsewhere = {slot: holder for slot, holder in holders.items() if holder != rank}
         owned = assign_slots([0 if slot in chunks else p.numel() for slot, p in enumerate(params)], world)
-        owned = [sorted((set(slots) - set(chunks)) | set(chunks)) for slots in owned]
-        return cls(os.path.abspath(os.fspath(root)), rank, world, owned, chunks)
+        owned = [sorted((set(slots) - set(chunks)) | (set(chunks) - set(elsewhere) if share == rank else set(chunks)))
+                 for share, slots in enumerate(owned)]
+        return cls(os.path.abspath(os.fspath(root)), rank, world, owned, chunks, elsewhere)
 
     def snapshot(self):
         """The staging snapshot of this rank's full-checkpoint shares."""
@@ -338,4 +346,4 @@ class Partition:
 
     def write_batch(self, path: str, session: str, records: list, *, run=None, engine=None) -> int:
         return write_diff_share(path, session, records, run=run, share=(self.rank, self.world), slots=self.slots,
-                                engine=engine, dtensors=self.chunks)
+                                engine=engine, dtensors=self.chunks, elsewhere=self.elsewhere)

@@ -15,18 +15,29 @@ Refused (each check names the first offender it finds, in this order):
   layout FSDP owns;
 - a DTensor parameter with a placement other than ``Shard``/``Replicate`` (``Partial`` holds a
   summand, not a value);
-- an FSDP2 module whose ``MixedPrecisionPolicy`` casts its parameters or gradients (one that names
-  the parameters' own dtype casts nothing and is accepted), or whose ``OffloadPolicy`` is not the
-  default: the optimizer then steps a copy (offload) or a gradient cast on the way, not tested here;
+- an FSDP2 module whose ``OffloadPolicy`` is not the default (``CPUOffloadPolicy``): the optimizer
+  then steps offloaded copies, not tested here;
 - DTensor parameters outside ``fully_shard`` (tensor parallelism), or on a mesh of more than one
   dimension other than HSDP's (FSDP2 + tensor parallelism; a mesh of more than two dimensions): not
   supported yet. FSDP2 on a 1-D mesh and HSDP (``fully_shard(..., mesh=<2-D mesh>)``, placements
-  ``(Replicate(), Shard(d))``) are recorded (lowdiff.distributed.dtensors); under HSDP every rank
-  writes its chunks, so the ranks of one replicate group write the same chunk each.
+  ``(Replicate(), Shard(d))``) are recorded (lowdiff.distributed.dtensors); under HSDP the ranks of
+  one replicate group hold the same chunks, and each chunk is written by one of them
+  (docs/format.md, "2-D meshes").
 
 Also refused: replica mode (``lowdiff.Replica``) with DTensor parameters (its CPU copy is of whole
 tensors). Not refused: ``reshard_after_forward`` (it changes when parameters are gathered, not what the
-optimizer consumes).
+optimizer consumes), and any FSDP2 ``MixedPrecisionPolicy`` (issue #31). Why mixed precision is exact
+(read in torch 2.13's ``_fully_shard/_fsdp_param.py`` and ``_fsdp_collectives.py``): FSDP2 keeps the
+sharded parameters, which the optimizer steps, in their own dtype (``orig_dtype``) and casts only the
+all-gathered copy to ``param_dtype`` for forward and backward; ``foreach_reduce`` reduce-scatters (and,
+under HSDP, all-reduces) in ``reduce_dtype`` (``param_dtype`` when unset), then casts the result back
+to ``orig_dtype`` before it becomes the sharded parameter's ``.grad``. The optimizer so consumes a
+gradient of the parameter's own dtype held in ``.grad`` at ``step()``, which is what lowdiff records;
+the replay steps the same optimizer on the same chunk with it, and neither ``output_dtype`` nor
+``cast_forward_inputs`` touch the optimizer. Tested with 2 gloo ranks (gloo runs the bfloat16 and
+float16 collectives on CPU): ``param_dtype=bfloat16`` with ``reduce_dtype`` float32 and bfloat16 (and
+``output_dtype=float32``), ``param_dtype=float16`` with ``reduce_dtype`` float32
+(tests/distributed/test_fsdp2_mixed_precision.py).
 """
 from __future__ import annotations
 
@@ -56,7 +67,7 @@ def refuse_unsupported_sharding(optimizer: torch.optim.Optimizer, model: torch.n
                         "lowdiff already writes each rank only a share of every checkpoint")
     _refuse_fsdp1(model)
     _refuse_placements(optimizer, model)
-    _refuse_fsdp2_policies(model)
+    _refuse_fsdp2_offload(model)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -130,36 +141,17 @@ def _refuse_placements(optimizer: torch.optim.Optimizer, model: torch.nn.Module)
                              f"Shard or Replicate placements before wrap()")
 
 
-def _refuse_fsdp2_policies(model: torch.nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+def _refuse_fsdp2_offload(model: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule, OffloadPolicy
 
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
         where = f"module {name!r}" if name else "the model"
-        policy = getattr(state, "_mp_policy", None)
         group = getattr(state, "_fsdp_param_group", None)
-        if policy is not None and policy != MixedPrecisionPolicy() and _casts(policy, group):
-            raise ValueError(f"{where} is fully_shard()ed with {policy!r}: lowdiff does not record under FSDP2 "
-                             f"mixed-precision policies (the gradient is cast between backward and the optimizer); "
-                             f"use fully_shard(..., mp_policy=MixedPrecisionPolicy()) (the default)")
         offload = getattr(group, "offload_policy", None)
         if offload is not None and type(offload) is not OffloadPolicy:
             raise ValueError(f"{where} is fully_shard()ed with {offload!r}: the optimizer then steps offloaded "
                              f"copies, which lowdiff does not record; use the default OffloadPolicy()")
 
-
-
-def _casts(policy, group) -> bool:
-    """Whether ``policy`` casts a parameter or gradient of the module's FSDP param group. A policy
-    naming the parameters' own dtype (torchtitan installs ``MixedPrecisionPolicy(param_dtype=float32,
-    reduce_dtype=float32)`` on float32 models) computes and reduces in that dtype, as the default
-    does: the optimizer consumes the same gradient (FSDP2 itself drops such a cast)."""
-    for fsdp_param in getattr(group, "fsdp_params", ()):
-        dtype = fsdp_param.sharded_param.dtype
-        if not dtype.is_floating_point:
-            continue
-        if policy.param_dtype not in (None, dtype) or policy.reduce_dtype not in (None, dtype):
-            return True
-    return False

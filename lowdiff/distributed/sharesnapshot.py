@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 import fastio
-from lowdiff.distributed.dtensors import chunk_entry, is_dtensor, local_chunk
+from lowdiff.distributed.dtensors import assign_holders, chunk_entry, is_dtensor, local_chunk, replica_group
 from lowdiff.format import tree
 from lowdiff.format.fullckpt import Snapshot, _version_counters, plan_layout
+from lowdiff.format.records import dtype_name
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, TensorEntry
 from lowdiff.format.sharefile import FullShareIndex, Piece, share_range, write_full_share
 
@@ -36,15 +37,22 @@ class ShareSnapshot(Snapshot):
         self._crcs: list = []
         self._body_bytes = 0
         self._chunks: dict = {}   # {key: chunk entry} of the DTensors staged (their local chunks are own)
+        self._elsewhere: dict = {}   # {key: {"share", "dtype"}}: chunks another rank of the replicate group writes
 
     def stage(self, step: int, state: dict, meta) -> None:
         """As Snapshot.stage; a DTensor is staged as this rank's local chunk (an own tensor, with its
-        chunk entry): under FSDP2 no rank holds another's chunk (docs/format.md, "Sharded state")."""
+        chunk entry): under FSDP2 no rank holds another's chunk (docs/format.md, "Sharded state").
+        Under HSDP the ranks of a replicate group hold the same chunks: each is staged by the one
+        rank of the group that writes it, and named ``elsewhere`` by the others ("2-D meshes")."""
         super().stage(step, state, meta)
         tensors, _ = self._staged
-        self._chunks = {key: chunk_entry(t) for key, t in tensors if is_dtensor(t)}
+        dtensor_items = [(key, t) for key, t in tensors if is_dtensor(t)]
+        self._chunks = {key: chunk_entry(t) for key, t in dtensor_items}
+        holders = assign_holders([(key, replica_group(t), local_chunk(t).nbytes) for key, t in dtensor_items])
+        self._elsewhere = {key: {"share": holders[key], "dtype": dtype_name(t.dtype)} for key, t in dtensor_items
+                           if holders[key] != self.index}
         if self._chunks:
-            local = [(key, local_chunk(t)) for key, t in tensors]
+            local = [(key, local_chunk(t)) for key, t in tensors if key not in self._elsewhere]
             self._staged = (local, _version_counters(t for _, t in local))
 
     def copy(self, on_training_thread: bool) -> None:
@@ -124,6 +132,7 @@ class ShareSnapshot(Snapshot):
         def make_index(objects_section):
             return FullShareIndex(self.step, session, run, self.index, self.count, shared_bytes, layout_json,
                                   piece_entries, own_bytes, own_entries, objects_section, *meta.fields(),
-                                  dtensors=self._chunks, stripes=stripes, stripe_bytes=unit)
+                                  dtensors=self._chunks, elsewhere=self._elsewhere, stripes=stripes,
+                                  stripe_bytes=unit)
         return write_full_share(path, body, objects, make_index, engine=engine, before_commit=before_commit,
                                 striped=bool(stripes))

@@ -62,7 +62,9 @@ class FullShareIndex(FullMeta):
     pieces: tuple              # Piece, in offset order
     own_bytes: int             # this rank's own region (after the share's bytes in the file); ``tensors``
                                # are this rank's own tensors, ``objects`` its state skeleton
-    dtensors: dict             # {key of ``tensors``: chunk entry} of DTensor chunks (sharded state; else empty)
+    dtensors: dict             # {key: chunk entry} of DTensor chunks (sharded state; else empty): of ``tensors``
+                               # or of ``elsewhere``
+    elsewhere: dict            # {key: {"share": j, "dtype": name}}: chunks share j holds instead (HSDP)
     stripes: tuple             # Stripe: the files holding a striped share's body (empty: the body is in the file)
     stripe_bytes: int          # the unit of the striped layout (0: not striped)
 
@@ -70,11 +72,12 @@ class FullShareIndex(FullMeta):
     def __init__(self, step: int, session: str, run: str | None, index: int, count: int, shared_bytes: int,
                  layout: tuple, pieces: tuple, own_bytes: int, tensors: tuple, objects: Section, param_names: tuple,
                  param_aliases: dict, optimizer_class: str, compressor: str, dtensors: dict | None = None,
-                 stripes: tuple = (), stripe_bytes: int = 0):
+                 elsewhere: dict | None = None, stripes: tuple = (), stripe_bytes: int = 0):
         super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
         for name, value in (("index", index), ("count", count), ("shared_bytes", shared_bytes), ("layout", layout),
                             ("pieces", pieces), ("own_bytes", own_bytes), ("dtensors", dict(dtensors or {})),
-                            ("stripes", tuple(stripes)), ("stripe_bytes", stripe_bytes if stripes else 0)):
+                            ("elsewhere", dict(elsewhere or {})), ("stripes", tuple(stripes)),
+                            ("stripe_bytes", stripe_bytes if stripes else 0)):
             object.__setattr__(self, name, value)
 
     @property
@@ -97,6 +100,8 @@ class FullShareIndex(FullMeta):
                 "pieces": [p.to_json() for p in self.pieces], "own_bytes": self.own_bytes,
                 # Only sharded (DTensor) state has chunk entries: other shares keep their bytes.
                 **({"dtensors": dict(self.dtensors)} if self.dtensors else {}),
+                # Only HSDP shares lack chunks that another rank of the replicate group holds.
+                **({"elsewhere": {k: dict(v) for k, v in self.elsewhere.items()}} if self.elsewhere else {}),
                 # Only a striped share names stripes (docs/format.md, "More drives than ranks").
                 **({"stripes": [s.to_json() for s in self.stripes], "stripe_bytes": self.stripe_bytes}
                    if self.stripes else {})}
@@ -129,15 +134,33 @@ class FullShareIndex(FullMeta):
         step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(
             fields, fields.get("param_names", list), fields.get("param_aliases", dict))
         chunks = fields.get("dtensors", dict) if "dtensors" in obj else {}
+        elsewhere = _elsewhere_chunks(fields, obj, index, count)
         own_shapes = {t.key: list(t.shape) for t in tensors}
         for key, entry in chunks.items():
-            if key not in own_shapes:
-                raise fields.bad(f"dtensors names {key!r}, which is not one of its own tensors")
+            if key not in own_shapes and key not in elsewhere:
+                raise fields.bad(f"dtensors names {key!r}, which is not one of its own tensors (nor held elsewhere)")
+            if key in own_shapes and key in elsewhere:
+                raise fields.bad(f"{key!r} is one of its own tensors and held elsewhere too")
             chunks[key] = check_chunk_entry(fields, entry, repr(key))
-            if chunks[key]["shape"] != own_shapes[key]:
+            if key in own_shapes and chunks[key]["shape"] != own_shapes[key]:
                 raise fields.bad(f"the chunk entry of {key!r} has shape {entry['shape']}, its tensor {own_shapes[key]}")
+        if set(elsewhere) - set(chunks):
+            raise fields.bad(f"elsewhere names {sorted(set(elsewhere) - set(chunks))[0]!r}, which has no chunk entry")
         return cls(step, session, run, index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
-                   names, aliases, optimizer_class, compressor, chunks, stripes, unit)
+                   names, aliases, optimizer_class, compressor, chunks, elsewhere, stripes, unit)
+
+
+def _elsewhere_chunks(fields: _Fields, obj, index: int, count: int) -> dict:
+    """A full share's ``elsewhere`` (docs/format.md, "2-D meshes"): {key: {"share", "dtype"}},
+    each naming another share of the set."""
+    out = {}
+    for key, item in (fields.get("elsewhere", dict) if "elsewhere" in obj else {}).items():
+        where = _Fields(fields.path, item, f"elsewhere entry {key!r}")
+        share, dtype = where.count("share"), where.get("dtype", str)
+        if share >= count or share == index:
+            raise fields.bad(f"elsewhere entry {key!r} names share {share}, not another of the set's {count}")
+        out[key] = {"share": share, "dtype": dtype}
+    return out
 
 
 def _layout_entry(path: str, obj, position: int) -> dict:
@@ -274,7 +297,8 @@ class DiffShareIndex:
     index: int
     count: int
     slots: tuple
-    dtensors: dict = dataclasses.field(default_factory=dict)   # {slot: chunk entry}: every share holds these
+    dtensors: dict = dataclasses.field(default_factory=dict)   # {slot: chunk entry}: every share's DTensor slots
+    elsewhere: dict = dataclasses.field(default_factory=dict)  # {slot of dtensors: share recording it instead}
 
     @classmethod
     def from_json(cls, path: str, obj, records_end: int) -> DiffShareIndex:
@@ -285,28 +309,42 @@ class DiffShareIndex:
         if count < 1 or index >= count or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                   for s in slots):
             raise fields.bad(f"share {index} of {count} owning slots {slots!r} is not valid")
+        elsewhere = {}
+        for item in fields.get("elsewhere", list) if "elsewhere" in obj else []:
+            if not (isinstance(item, list) and len(item) == 2 and all(isinstance(n, int) and not isinstance(n, bool)
+                                                                      for n in item)
+                    and item[0] not in slots and item[0] not in elsewhere and 0 <= item[1] < count
+                    and item[1] != index):
+                raise fields.bad(f"elsewhere entry {item!r} is not [slot not of this share, another share]")
+            elsewhere[item[0]] = item[1]
         chunks = {}
         for item in fields.get("dtensors", list) if "dtensors" in obj else []:
-            if not (isinstance(item, list) and len(item) == 2 and item[0] in slots):
+            if not (isinstance(item, list) and len(item) == 2 and (item[0] in slots or item[0] in elsewhere)):
                 raise fields.bad(f"dtensors entry {item!r} is not [slot of this share, chunk entry]")
             chunks[item[0]] = check_chunk_entry(fields, item[1], f"parameter {item[0]}")
+        if set(elsewhere) - set(chunks):
+            raise fields.bad(f"elsewhere names parameter {sorted(set(elsewhere) - set(chunks))[0]}, which has no "
+                             f"chunk entry")
         batch = BatchIndex.from_json(path, {**obj, "kind": "diff"}, records_end)
-        return cls(batch, index, count, tuple(slots), chunks)
+        return cls(batch, index, count, tuple(slots), chunks, elsewhere)
 
     @staticmethod
-    def share_json(index: int, count: int, slots, dtensors: dict | None = None) -> dict:
+    def share_json(index: int, count: int, slots, dtensors: dict | None = None, elsewhere: dict | None = None) -> dict:
         """What a differential share's index adds to a batch's (its ``kind`` replaces "diff")."""
         chunks = {"dtensors": [[slot, entry] for slot, entry in sorted(dtensors.items())]} if dtensors else {}
-        return {"kind": "diff-share", "share": {"index": index, "count": count}, "slots": list(slots), **chunks}
+        held = {"elsewhere": [[slot, share] for slot, share in sorted(elsewhere.items())]} if elsewhere else {}
+        return {"kind": "diff-share", "share": {"index": index, "count": count}, "slots": list(slots), **chunks,
+                **held}
 
 
 def write_diff_share(path: str, session: str, records: list, *, run: str | None, share: tuple[int, int],
-                     slots: list, engine=None, dtensors: dict | None = None) -> int:
+                     slots: list, engine=None, dtensors: dict | None = None, elsewhere: dict | None = None) -> int:
     """Write ``records`` ([(step, [buffers])], consecutive steps, already restricted to ``slots``)
     as share ``share`` = (index, count) and commit it. ``dtensors``: {slot: chunk entry} of the
-    slots whose records hold this rank's local gradient chunk. Returns the file's size."""
+    DTensor slots (their records hold this rank's local gradient chunk, unless ``elsewhere``:
+    {slot: share} says which other share records that same chunk). Returns the file's size."""
     return write_batch(path, session, records, run=run, engine=engine, kind=container.KIND_DIFF_SHARE,
-                       index_fields=DiffShareIndex.share_json(share[0], share[1], slots, dtensors))
+                       index_fields=DiffShareIndex.share_json(share[0], share[1], slots, dtensors, elsewhere))
 
 
 def read_diff_share_index(path: str, reader=None) -> DiffShareIndex:

@@ -92,8 +92,11 @@ class MergedShares:
         self.path = root
         self._live = live_chunks or {}
         self._own_chunks = own_chunks
-        self._chunks = [next((index.dtensors for _, index in share.files if isinstance(index, DiffShareIndex)), {})
-                        for share in shares]
+        first_indexes = [next((index for _, index in share.files if isinstance(index, DiffShareIndex)), None)
+                         for share in shares]
+        self._chunks = [index.dtensors if index is not None else {} for index in first_indexes]
+        # {slot: share recording it instead} of each share (HSDP: one rank of a replicate group records a chunk)
+        self._elsewhere = [index.elsewhere if index is not None else {} for index in first_indexes]
         self.index_error = None
         self._own = own          # the share whose per-rank objects this rank takes (None: a new rank)
         self._param_count = param_count
@@ -116,13 +119,22 @@ class MergedShares:
         if any(slots is None for slots in slots_per_share):
             return None
         owner = [-1] * param_count
+        own = self._own
+        # This rank's chunk of a DTensor slot the own share records elsewhere (HSDP): the recording
+        # share's, when its chunk entry is the own share's and that is this rank's live chunk.
+        lent = {}
+        if own is not None:
+            mine = self._chunks[own]
+            lent = {slot: share for slot, share in self._elsewhere[own].items()
+                    if slot < param_count and self._chunks[share].get(slot) == mine.get(slot) and
+                    (self._own_chunks or slot in self._live and dtensors.same_chunk(mine[slot], self._live[slot]))}
         for share, slots in enumerate(slots_per_share):
             for slot in slots:
-                if slot < 0:   # a DTensor chunk in every share: this rank's own if it is its live chunk
+                if slot < 0:   # a DTensor chunk: this rank's own if it is its live chunk
                     slot = -1 - slot
-                    if slot < param_count and share == self._own and (self._own_chunks or slot in self._live and
-                                                                      dtensors.same_chunk(self._chunks[share][slot],
-                                                                                          self._live[slot])):
+                    if slot < param_count and (lent.get(slot) == share or share == own and (
+                            self._own_chunks or slot in self._live and
+                            dtensors.same_chunk(self._chunks[share][slot], self._live[slot]))):
                         owner[slot] = share
                     elif slot < param_count and owner[slot] == -1:
                         owner[slot] = _ASSEMBLE   # unless the own share turns out to be it (above)
@@ -192,13 +204,14 @@ class MergedShares:
     def _assembled(self, slot: int, records: list) -> Compressed:
         """This rank's chunk of a DTensor gradient cut from every share's recorded chunk (each as its
         optimizer consumed it: a TopK record is its dense chunk with zeros where nothing was kept)."""
-        recorded = [r.grads[slot] for r in records]
-        if all(g.kind == "none" for g in recorded):
-            return recorded[0]
+        # The shares that record this slot's chunk themselves (not those that name another: HSDP).
+        recorded = [(share, r.grads[slot]) for share, r in enumerate(records) if slot not in self._elsewhere[share]]
+        if all(g.kind == "none" for _, g in recorded):
+            return recorded[0][1]
         pieces = []
-        for share, grad in enumerate(recorded):
+        for share, grad in recorded:
             entry = self._chunks[share][slot]
-            dense = torch.zeros(math.prod(entry["shape"]), dtype=next(g.values.dtype for g in recorded
+            dense = torch.zeros(math.prod(entry["shape"]), dtype=next(g.values.dtype for _, g in recorded
                                                                      if g.values is not None))
             if grad.kind != "none":
                 decompress_into(grad, dense)

@@ -155,15 +155,19 @@ def _exchange_targets(pieces, whole, layout: dict, placed: dict):
         yield whole[run[0]:run[1]]
 
 
-def _state_of(path: str, index, shared, own_part, chunk=None) -> FullState:
-    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``;
-    a DTensor's chunk (sharded state) as ``chunk(key, local tensor, chunk entry)`` makes it."""
+def _state_of(path: str, index, shared, own_part, chunk=None, borrowed=None) -> FullState:
+    """The full state: shared tensors from ``shared(layout entry)``, own tensors from ``own_part``,
+    the chunks another share holds (``index.elsewhere``, HSDP) from ``borrowed(key)``; a DTensor's
+    chunk (sharded state) as ``chunk(key, local tensor, chunk entry)`` makes it."""
     layout = {e["key"]: e for e in index.layout}
     own, objects = own_part
 
     def lookup(key):
         if key in layout:
             return shared(layout[key])
+        if key in index.elsewhere and borrowed is not None:
+            local = borrowed(key)
+            return chunk(key, local, index.dtensors[key]) if chunk is not None else local
         if key in own:
             entry, data = own[key]
             dtype = dtype_from_name(entry.dtype, path)
@@ -224,7 +228,8 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     if own_part is not None:
         try:
             outline = _state_of(fset.files[own], indexes[own], _outline(fset.files[own]), own_part,
-                                lambda key, local, entry: dtensors.outline(entry, local.dtype))
+                                lambda key, local, entry: dtensors.outline(entry, local.dtype),
+                                _outline_elsewhere(fset.files[own], indexes[own]))
         except CorruptCheckpointError as exc:
             problems[own] = str(exc)
     problems = _agree_problems(problems, world)
@@ -250,14 +255,20 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     # Resharding (another world size, or no sharded model: export) cuts each chunk from the recorded
     # chunks that overlap it: read and check those now, so that a damaged one makes every rank fall
     # back to an older set instead of failing half-way through the rebuild.
+    # So are the chunks of this rank's own share that another share holds (HSDP, "2-D meshes").
     chunks: dict = {}   # share -> {key: (chunk entry, tensor)}
-    if indexes[own].dtensors and as_share is None and (world != fset.count or not dtensors.meshes_of(live.values())):
+    resharding = as_share is None and (world != fset.count or not dtensors.meshes_of(live.values()))
+    if indexes[own].dtensors and (resharding or indexes[own].elsewhere):
         live_of = _live_lookup(indexes[own], live)
+        lent = {e["share"] for e in indexes[own].elsewhere.values()}
         for i in range(fset.count):
-            if not any(_overlaps(entry, live_of(key)) for key, entry in indexes[i].dtensors.items()):
+            if not (resharding and any(_overlaps(entry, live_of(key)) for key, entry in _held(indexes[i]))) and \
+                    i not in lent:
                 continue   # none of its chunks is part of what this rank rebuilds: not read (not fetched)
             try:
                 _read_chunks(fset, indexes, i, chunks, files)
+                if i in lent:
+                    _check_lent(fset, indexes, own, i, chunks)
             except (CheckpointError, OSError, EOFError) as exc:
                 problems[i] = f"{fset.files[i]} does not verify ({exc})"
         problems = _agree_problems(problems, world)
@@ -269,8 +280,39 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
     rebuild = _chunk_rebuilder(fset, rank, live, indexes, chunks, files) if as_share is None else \
         (lambda key, local, entry: local)   # the share's own chunks, as written: nothing to cut
     state = _state_of(fset.files[own], indexes[own], _from_staging(fset.files[own], payload, placed), own_part,
-                      rebuild)
+                      rebuild, lambda key: _lent(indexes[own], key, chunks))
     return _Loaded(indexes[own], state, fset.files[own])
+
+
+def _held(index):
+    """(key, chunk entry) of the DTensor chunks share ``index`` holds itself (not ``elsewhere``)."""
+    return [(key, entry) for key, entry in index.dtensors.items() if key not in index.elsewhere]
+
+
+def _outline_elsewhere(path: str, index):
+    def borrowed(key):
+        entry = index.dtensors[key]
+        return torch.empty(entry["shape"], dtype=dtype_from_name(index.elsewhere[key]["dtype"], path), device="meta")
+    return borrowed
+
+
+def _check_lent(fset: FullSet, indexes: dict, own: int, share: int, read: dict) -> None:
+    """Share ``share`` holds, with the same chunk entry and dtype, every chunk share ``own`` says it
+    holds for it (HSDP: one rank of a replicate group writes each chunk)."""
+    for key, where in indexes[own].elsewhere.items():
+        if where["share"] != share:
+            continue
+        held = read[share].get(key)
+        if held is None or held[0] != indexes[own].dtensors[key] or \
+                held[1].dtype != dtype_from_name(where["dtype"], fset.files[own]):
+            raise CorruptCheckpointError(fset.files[share], f"share {share} does not hold the chunk of {key!r} that "
+                                                            f"share {own} ({fset.files[own]}) names it for")
+
+
+def _lent(index, key: str, read: dict) -> torch.Tensor:
+    """This share's chunk of ``key`` that another share holds (read and checked above)."""
+    entry, tensor = read[index.elsewhere[key]["share"]][key]
+    return tensor.view(entry["shape"])
 
 
 def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: dict, files: LocalFiles = LOCAL):
@@ -292,7 +334,7 @@ def _chunk_rebuilder(fset: FullSet, rank: int, live: dict, indexes: dict, read: 
         # rank's new chunk, or the whole tensor, cut from every share's recorded chunk.
         dtensors.check_reshardable(fset.files[own], indexes[own].optimizer_class)
         pieces = [_recorded_chunk(fset, indexes, share, key, read, files) for share in range(fset.count)
-                  if _overlaps(indexes[share].dtensors.get(key), target)]
+                  if key not in indexes[share].elsewhere and _overlaps(indexes[share].dtensors.get(key), target)]
         whole = dtensors.assemble(target, local.dtype, pieces)
         return whole if target is None else dtensors.rewrap(whole, target)
     return rebuild

@@ -50,7 +50,7 @@ def main():
     p.add_argument("--crash-at", type=int)
     p.add_argument("--load-only", action="store_true")
     args = p.parse_args()
-    args.tied, args.optimizer, args.hsdp = False, "adamw", False
+    args.tied, args.optimizer, args.hsdp, args.mp = False, "adamw", False, None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import lowdiff
 import recovery
@@ -97,11 +97,33 @@ class Tied(torch.nn.Module):
         return self.head(torch.relu(self.body(x)) + self.embed.weight.mean(0))
 
 
+# --mp: FSDP2 mixed-precision policies (test_fsdp2_mixed_precision.py). "bf16" is torchtitan's default
+# (bfloat16 compute, float32 reduction); "bf16-reduce" reduces in bfloat16 too and casts the root's
+# output back to float32; "fp16" computes in float16, reduction float32.
+POLICIES = {
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16-reduce": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                        output_dtype=torch.float32),
+    "fp16": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+}
+
+
+def check_mixed_precision(policy, output, model):
+    """The policy is in force (the model computes in its dtype) and the optimizer is handed a float32
+    gradient chunk of the float32 sharded parameter: what lowdiff records and replays."""
+    expected = policy.output_dtype or policy.param_dtype
+    weight = model[0].weight
+    if output.dtype != expected or weight.dtype != torch.float32 or weight.grad.dtype != torch.float32:
+        raise AssertionError(f"{policy}: output {output.dtype}, parameter {weight.dtype}, gradient {weight.grad.dtype}")
+
+
 def build(args):
     torch.manual_seed(0)   # the same initial weights on every rank (fully_shard keeps each its chunk)
     # HSDP: a (replicate, shard) mesh of 2 rows; fully_shard shards over a row and replicates across rows.
-    mesh = {"mesh": init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("replicate", "shard"))} \
+    how = {"mesh": init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("replicate", "shard"))} \
         if args.hsdp else {}
+    if args.mp:
+        how["mp_policy"] = POLICIES[args.mp]
     if args.tied:
         model = Tied()
         fully_shard(model.body)
@@ -109,8 +131,8 @@ def build(args):
         model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                     torch.nn.Linear(24, 5))   # 5 rows: uneven chunks on 2 and 4 ranks
         for layer in (model[0], model[3]):
-            fully_shard(layer, **mesh)
-    fully_shard(model, **mesh)
+            fully_shard(layer, **how)
+    fully_shard(model, **how)
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     elif args.optimizer == "sgd":
@@ -138,6 +160,7 @@ def main():
     p.add_argument("--resume-step", type=int, help="resume at this step (time travel)")
     p.add_argument("--tied", action="store_true", help="a model with a tied weight (Tied)")
     p.add_argument("--hsdp", action="store_true", help="HSDP: fully_shard on a (2, world / 2) mesh")
+    p.add_argument("--mp", choices=sorted(POLICIES), help="fully_shard(..., mp_policy=POLICIES[this])")
     p.add_argument("--shared", help="a shared tier (lowdiff.Tiers) the rank directories drain into")
     p.add_argument("--keep-last", type=int, help="retention=lowdiff.KeepLast(this)")
     p.add_argument("--stripe-dirs", type=lambda s: tuple(s.split(",")), default=(),
@@ -162,7 +185,10 @@ def main():
         out.flush()
         for step in range(int(start), args.steps if not args.resume_only else int(start)):
             idx = sampler.next_batch(8)
-            torch.nn.functional.cross_entropy(model(data[idx]), target[idx]).backward()
+            output = model(data[idx])
+            torch.nn.functional.cross_entropy(output, target[idx]).backward()
+            if args.mp:
+                check_mixed_precision(POLICIES[args.mp], output, model)
             opt.step()
             opt.zero_grad()
             out.write(f"{step + 1} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")

@@ -61,7 +61,7 @@ def case_fsdp2_tp():   # FSDP2 + tensor parallelism on a 2-D (dp, tp) mesh: refu
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 
-def case_fsdp2_mixed():
+def case_fsdp2_mixed():   # bfloat16 compute on one module: the optimizer steps float32 chunks, accepted
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = mlp()
@@ -97,7 +97,7 @@ def case_fsdp2_own_dtype_policy():   # torchtitan's policy on a float32 model: c
     return torch.optim.AdamW(model.parameters(), lr=1e-2), model
 
 
-def case_fsdp2_reduce_bf16():   # gradients reduced in bfloat16: cast before the optimizer, refused
+def case_fsdp2_reduce_bf16():   # gradients reduced in bfloat16, cast back before .grad: accepted
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = mlp()

@@ -1,9 +1,11 @@
 """HSDP: FSDP2 on a 2-D (replicate, shard) mesh of 4 gloo processes, placements (Replicate(),
-Shard(0)) (issue #31, item 1's 2-D mesh case). Every rank records its own local chunks and local
-gradient chunk, so the two ranks of a replicate group write the same chunks; after a SIGKILL of every
-rank the job resumes at the same mesh with each rank's state byte for byte the uninterrupted run's,
+Shard(0)) (issue #31, item 1's 2-D mesh case). The two ranks of a replicate group hold the same
+chunks and consume the same gradient chunks: each chunk is written by one of them, the other names it
+(docs/format.md, "2-D meshes"); after a SIGKILL of every rank the job resumes at the same mesh (a rank
+reading the chunks its group's other rank wrote) with each rank's state byte for byte the uninterrupted run's,
 and trains on identically; at another world size and mesh (2 ranks, 1-D FSDP2) the state, gathered,
 is the uninterrupted run's. Before, wrap() refused the model ("a DTensor on a 2-D mesh")."""
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import sys
 import pytest
 
 import fastio
-from lowdiff.format.sharefile import read_full_share_index, read_own
+from lowdiff.format.sharefile import read_diff_share_index, read_full_share_index, read_own
 
 sys.path.insert(0, os.path.dirname(__file__))
 import partition_runs  # noqa: E402
@@ -41,31 +43,64 @@ def hsdp_run(tmp_path_factory):
     return reference, base / "run"
 
 
-def _chunks(directory, rank: int, name: str) -> dict:
-    """{key: (chunk entry, bytes)} of rank ``rank``'s share of the full set ``name``."""
+def _share(directory, rank: int, name: str) -> tuple:
+    """(index, {key: (chunk entry, bytes)} of the chunks it holds) of rank ``rank``'s full share ``name``."""
     path = str(directory / f"rank-{rank:05d}" / name)
     with fastio.Reader(path) as reader:
         index = read_full_share_index(path, reader)
         own, _ = read_own(path, reader, index)
-    return {key: (entry, bytes(own[key][1])) for key, entry in index.dtensors.items()}
+    return index, {key: (index.dtensors[key], bytes(own[key][1])) for key in index.dtensors if key in own}
 
 
-def test_replicas_write_the_same_chunks_and_verify(hsdp_run):
-    """Each rank's share holds its own chunks on the 2-D mesh; the ranks of one replicate group
-    (0 and 2, 1 and 3: the mesh's columns) hold the same chunk entries and bytes, the two ranks of a
-    row different pieces of each tensor. `verify` accepts the directory."""
+GROUPS = ((0, 2), (1, 3))   # the replicate groups: the columns of the (2, 2) mesh
+
+
+def test_each_chunk_is_written_once_and_the_directory_verifies(hsdp_run):
+    """docs/format.md, "2-D meshes": of the two ranks of a replicate group, which hold the same
+    chunks, one writes each chunk and the other names it in `elsewhere` (with an equal chunk entry);
+    the DTensor bytes of a full set are those of the state once, and each differential share of a
+    group records the gradient chunks of different parameters. `verify` accepts the directory.
+    Before, both ranks of a group wrote every chunk (twice the state on disk)."""
     _, directory = hsdp_run
     name = sorted(n for n in os.listdir(directory / "rank-00000") if n.startswith("full-"))[-1]
-    shares = [_chunks(directory, rank, name) for rank in range(4)]
-    assert "/model/0.weight" in shares[0]
-    entry = shares[0]["/model/0.weight"][0]
+    shares = [_share(directory, rank, name) for rank in range(4)]
+    entry = shares[0][0].dtensors["/model/0.weight"]
     assert entry["mesh_shape"] == [2, 2] and entry["mesh_dim_names"] == ["replicate", "shard"]
     assert entry["placements"] == ["R", "S0"] and entry["global_shape"] == [24, 8]
-    assert shares[0] == shares[2] and shares[1] == shares[3]
-    assert [shares[rank]["/model/0.weight"][0]["offsets"] for rank in range(4)] == [[0, 0], [12, 0]] * 2
+    for a, b in GROUPS:
+        (index_a, held_a), (index_b, held_b) = shares[a], shares[b]
+        assert index_a.dtensors == index_b.dtensors   # the same chunks...
+        assert held_a and held_b and not set(held_a) & set(held_b)   # ...each written by one of them
+        assert set(held_a) | set(held_b) == set(index_a.dtensors)
+        assert {k: e["share"] for k, e in index_a.elsewhere.items()} == dict.fromkeys(held_b, b)
+        assert {k: e["share"] for k, e in index_b.elsewhere.items()} == dict.fromkeys(held_a, a)
+    assert [shares[rank][0].dtensors["/model/0.weight"]["offsets"] for rank in range(4)] == [[0, 0], [12, 0]] * 2
+    # One copy: the chunks on disk add up to every DTensor's global size, once.
+    whole = {key: math.prod(e["global_shape"]) for key, e in shares[0][0].dtensors.items()}
+    on_disk = {key: 0 for key in whole}
+    for _, held in shares:
+        for key, (e, data) in held.items():
+            assert len(data) == 4 * math.prod(e["shape"])   # float32 chunks
+            on_disk[key] += math.prod(e["shape"])
+    assert on_disk == whole
+    diffs = []
+    for rank in range(4):
+        newest = sorted(n for n in os.listdir(directory / f"rank-{rank:05d}") if n.startswith("diff-"))[-1]
+        diffs.append(read_diff_share_index(str(directory / f"rank-{rank:05d}" / newest)))
+    for a, b in GROUPS:
+        slots = set(diffs[a].dtensors)
+        recorded_a, recorded_b = slots & set(diffs[a].slots), slots & set(diffs[b].slots)
+        assert recorded_a and recorded_b and not recorded_a & recorded_b and recorded_a | recorded_b == slots
+        assert diffs[a].elsewhere == dict.fromkeys(recorded_b, b) and diffs[b].elsewhere == dict.fromkeys(recorded_a, a)
     checked = subprocess.run([sys.executable, "-m", "lowdiff", "verify", str(directory)], capture_output=True,
                              text=True, timeout=180)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    inspected = subprocess.run([sys.executable, "-m", "lowdiff", "inspect", str(directory)], capture_output=True,
+                               text=True, timeout=180)
+    assert inspected.returncode == 0, inspected.stderr
+    held_by_0 = len(shares[2][0].elsewhere)
+    assert f"share 2 of 4: {len(shares[2][0].tensors)} own tensors ({len(shares[2][1])} of them DTensor chunks), " \
+           f"{held_by_0} chunk{'s' * (held_by_0 > 1)} in share 0" in inspected.stdout, inspected.stdout
 
 
 def test_sigkill_of_every_rank_resumes_exactly_at_the_same_mesh(tmp_path, hsdp_run):
@@ -79,6 +114,33 @@ def test_sigkill_of_every_rank_resumes_exactly_at_the_same_mesh(tmp_path, hsdp_r
         for s, value in got.items():
             assert value == reference[rank][s], (rank, s)
     assert len(resumed) == 1
+
+
+def test_a_damaged_chunk_named_by_another_share_falls_back_to_an_older_set(tmp_path, hsdp_run):
+    """One copy of each chunk: damaged where it is written, the share that names it cannot be
+    resumed either; every rank falls back to the older full set (with a warning naming the share)
+    and replays its differentials, exactly."""
+    reference, directory = hsdp_run
+    directory = copied(directory, tmp_path / "run")
+    name = sorted(n for n in os.listdir(directory / "rank-00002") if n.startswith("full-"))[-1]
+    index, _ = _share(directory, 2, name)
+    key = next(key for key, where in index.elsewhere.items() if where["share"] == 0)
+    path = directory / "rank-00000" / name
+    with fastio.Reader(str(path)) as reader:
+        (entry,) = [t for t in read_full_share_index(str(path), reader).tensors if t.key == key]
+    with open(path, "r+b") as f:
+        f.seek(entry.offset + 3)
+        byte = f.read(1)
+        f.seek(entry.offset + 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    step = int(name.split("-")[1])
+    err = ok(launch(directory, tmp_path / "res", 4, *HSDP))
+    assert f"share 0 of the full checkpoint of step {step}" in err and "falling back" in err, err
+    for rank in range(4):
+        resumed, got = digests(tmp_path / f"res-{rank}.txt")
+        assert resumed >= step and sorted(got) == list(range(resumed, STEPS + 1)), (rank, resumed)
+        for s, value in got.items():
+            assert value == reference[rank][s], (rank, s)
 
 
 def test_resume_at_two_ranks_on_a_1d_mesh_gathers_to_the_uninterrupted_state(tmp_path, hsdp_run):

@@ -114,10 +114,13 @@ def export_state(directory, out) -> tuple[dict, bool]:
     return exported, any(path.name.startswith(f"full-{step:012d}-") for path in directory.rglob("full-*"))
 
 
-# TopK's run is the same three jobs again: with -m soak (the suite's time budget).
-@pytest.mark.parametrize("compressor", ["dense", pytest.param("topk", marks=pytest.mark.soak)])
-def test_torchtitan_trainer_resumes_exactly_after_sigkill(tmp_path, assets, compressor):
-    extra = ("--compressor", compressor)
+# TopK's run is the same three jobs again: with -m soak (the suite's time budget). Dense runs under
+# torchtitan's default mixed_precision_param="bfloat16" (bfloat16 compute, float32 reduction; the
+# optimizer steps float32 chunks), TopK under "float32" (FSDP2 casts nothing).
+@pytest.mark.parametrize("compressor,precision", [
+    ("dense", "bfloat16"), pytest.param("topk", "float32", marks=pytest.mark.soak)])
+def test_torchtitan_trainer_resumes_exactly_after_sigkill(tmp_path, assets, compressor, precision):
+    extra = ("--compressor", compressor, "--mixed-precision", precision)
     # The reference run also writes its gathered state after the steps a resume or export below
     # may reach (the durable step after the kill at 7 is 4 to 7).
     partition_runs.ok(launch(assets, tmp_path / "ref", tmp_path / "ref", *extra, "--dump-states",

@@ -116,7 +116,9 @@ def build(args):
     config.training.steps = args.steps
     config.training.local_batch_size = 2
     config.training.seq_len = 32
-    config.training.mixed_precision_param = "float32"   # FSDP2 then casts nothing (lowdiff records that)
+    # torchtitan's fully_shard gets MixedPrecisionPolicy(param_dtype=this, reduce_dtype=float32): "bfloat16"
+    # (its default) computes in bfloat16 while the optimizer steps float32 chunks, "float32" casts nothing
+    config.training.mixed_precision_param = args.mixed_precision
     config.training.disable_cuda_graphs = True
     config.optimizer.implementation = "for-loop"        # "fused" is torchtitan's CUDA default
     config.activation_checkpoint = None
@@ -141,6 +143,8 @@ def main():
     p.add_argument("--tokenizer", required=True, help="a folder with tokenizer.json and tokenizer_config.json")
     p.add_argument("--data", required=True, help="a folder of JSON lines with a 'text' field")
     p.add_argument("--compressor", choices=["dense", "topk"], default="dense")
+    p.add_argument("--mixed-precision", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="training.mixed_precision_param")
     p.add_argument("--crash-at", type=int)
     p.add_argument("--dump-states", help="write the gathered state after the --dump-steps to DUMP_STATES-STEP.pt")
     p.add_argument("--dump-steps", type=int, nargs="*", default=[])
@@ -160,6 +164,10 @@ def main():
     for module in trainer.model_parts[0].modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+            # the precision asked for is in force (compute in it, reduce in float32)
+            policy = module._get_fsdp_state()._mp_policy
+            assert str(policy.param_dtype) == f"torch.{args.mixed_precision}", policy
+            assert policy.reduce_dtype == torch.float32, policy
     manager = trainer.checkpointer
     out = open(args.digests, "a")
     load, save = manager._load, manager._save

@@ -2,6 +2,7 @@
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastio
-from fastio._memops import crc32c_backend, crc32c_software
+from fastio._memops import crc32c_backend, crc32c_software, crc32c_sse42
 
-IMPLEMENTATIONS = [fastio.crc32c, crc32c_software]
+IMPLEMENTATIONS = [fastio.crc32c, crc32c_sse42, crc32c_software]
 
 
 def reference_crc32c(data: bytes, value: int = 0) -> int:
@@ -25,7 +26,31 @@ def reference_crc32c(data: bytes, value: int = 0) -> int:
 
 
 def test_backend_is_known():
-    assert crc32c_backend() in ("sse4.2", "software")
+    assert crc32c_backend() in ("vpclmulqdq", "sse4.2", "software")
+
+
+def test_folding_constants_are_the_powers_of_x_they_claim():
+    """crc32c_core.c's AVX-512 folds across D bytes multiply each 128-bit lane's low half by
+    x^(8D+32) and its high half by x^(8D-32) mod P (reflected, shifted left by one): derived here,
+    so a wrong constant fails by name and not only as a wrong checksum on CPUs that run the path."""
+    poly = 0x11EDC6F41   # Castagnoli, normal form with the x^32 term
+
+    def x_power_mod(n: int) -> int:
+        r = 1
+        for _ in range(n):
+            r <<= 1
+            if r & (1 << 32):
+                r ^= poly
+        return r
+
+    def folded(power: int) -> str:
+        return f"0x{int(f'{x_power_mod(power):032b}'[::-1], 2) << 1:09x}ull"
+
+    source = (Path(__file__).parents[2] / "fastio" / "crc32c_core.c").read_text()
+    for distance in (256, 64, 48, 32, 16):
+        line = next(line for line in source.splitlines()
+                    if line.startswith(f"static const uint64_t FOLD_{distance}[2]"))
+        assert f"{{{folded(8 * distance + 32)}, {folded(8 * distance - 32)}}}" in line, distance
 
 
 @pytest.mark.parametrize("crc", IMPLEMENTATIONS)
@@ -44,8 +69,8 @@ def test_known_vectors(crc, data, expected):
 @given(data=st.binary(max_size=4096), value=st.integers(0, 2**32 - 1))
 def test_matches_the_bitwise_reference(data, value):
     expected = reference_crc32c(data, value)
-    assert fastio.crc32c(data, value) == expected
-    assert crc32c_software(data, value) == expected
+    for crc in IMPLEMENTATIONS:
+        assert crc(data, value) == expected
 
 
 @settings(deadline=None, max_examples=200)
@@ -56,9 +81,13 @@ def test_chaining_at_any_split_point(data, cut):
         assert crc(data[split:], crc(data[:split])) == crc(data)
 
 
-@pytest.mark.parametrize("length", [1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 100_003])
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 767, 768, 769, 1023, 1024, 1025, 1024 + 15, 1024 + 16, 1024 + 63,
+                                    1024 + 64, 1280 - 1, 1280, 1280 + 17, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1,
+                                    100_003])
 def test_unaligned_starts_and_odd_lengths(rng, length):
-    """Slices at offsets 1..15: the head bytes before an 8-byte boundary, and every 3-way block size."""
+    """Slices at offsets 1..15: the head bytes before an 8-byte boundary, every 3-way block size,
+    and the AVX-512 folding's edges (from 1 KiB: 256-byte steps, then 64- and 16-byte blocks, then
+    the bytes left to the crc32 instruction)."""
     buffer = rng.integers(0, 256, length + 16, dtype=np.uint8)
     assert fastio.crc32c(buffer[:0]) == 0
     for offset in range(1, 16):
@@ -66,12 +95,13 @@ def test_unaligned_starts_and_odd_lengths(rng, length):
         expected = crc32c_software(view)
         assert fastio.crc32c(view) == expected
         assert fastio.crc32c(bytes(view)) == expected
+        assert crc32c_sse42(view) == expected
     assert reference_crc32c(bytes(buffer[3:3 + min(length, 800)])) == fastio.crc32c(buffer[3:3 + min(length, 800)])
 
 
 def test_hardware_and_software_agree_on_64_mib(rng):
     data = np.frombuffer(rng.bytes(64 << 20), dtype=np.uint8)
-    assert fastio.crc32c(data) == crc32c_software(data)
+    assert fastio.crc32c(data) == crc32c_software(data) == crc32c_sse42(data)
     # and chained over uneven pieces
     value = 0
     for start, end in [(0, 5), (5, 1 << 20), (1 << 20, (40 << 20) + 3), ((40 << 20) + 3, data.size)]:

@@ -247,12 +247,17 @@ def lowdiff_writes_every_kind(directory) -> dict:
                               "TopK(ratio=0.2)")
     write_full_share(str(directory / "full-share.ldf"), w.ljust(4096, b"\0") + SHARE_OWN.ljust(4096, b"\0"),
                      objects, share_index)
-    # The same shares as a sharded (DTensor) run writes them: with the optional field `dtensors`.
+    # The same shares as a sharded (DTensor) run writes them: with the optional field `dtensors`, and
+    # as HSDP writes them (share 1 of 2, a chunk held by share 0): with `elsewhere` too.
     write_full_share(str(directory / "full-share-dtensors.ldf"),
                      w.ljust(4096, b"\0") + SHARE_OWN.ljust(4096, b"\0"), objects,
-                     lambda section: dataclasses.replace(share_index(section), dtensors={"/rng/x": chunk_entry([1])}))
+                     lambda section: dataclasses.replace(share_index(section), index=1, count=2,
+                                                         dtensors={"/rng/x": chunk_entry([1]),
+                                                                   "/model/v": chunk_entry([2])},
+                                                         elsewhere={"/model/v": {"share": 0, "dtype": "float32"}}))
     write_diff_share(str(directory / "diff-share-dtensors.ldd"), SESSION, [(1, encode_record(record))], run=RUN,
-                     share=(0, 1), slots=[0, 1], dtensors={0: chunk_entry([2])})
+                     share=(0, 2), slots=[0, 1], dtensors={0: chunk_entry([2]), 2: chunk_entry([2])},
+                     elsewhere={2: 1})
 
     full, batch = (directory / FULL_NAME).read_bytes(), (directory / DIFF_NAME).read_bytes()
     write_manifest(str(directory), Manifest([FullEntry(0, FULL_NAME, len(full), SESSION)],

@@ -91,6 +91,25 @@ def test_checksums_are_the_crc32c_of_each_region(rng):
     assert fastio.copy_regions([], [], [], checksums=True) == []
 
 
+@pytest.mark.parametrize("size", [1087, 1088, 1089, 1088 + 255, 1088 + 256 + 63, 1088 + 256 + 64 + 15,
+                                  1088 + 256 + 64 + 16 + 7, 100_003, (1 << 20) + 5])
+def test_checksummed_copy_at_every_destination_alignment(rng, size):
+    """The one-pass copy (AVX-512 folding, streaming stores to a 64-byte aligned destination) copies
+    a head until the destination is aligned, then 256-, 64- and 16-byte blocks, then a tail: every
+    destination offset within 64 bytes, and sizes at each stage's edge, give the exact bytes, the
+    CRC-32C of the table path, and nothing written outside the region."""
+    from fastio._memops import crc32c_software
+    source = rng.integers(0, 256, size + 64, dtype=np.uint8)
+    for start in (0, 5):
+        for offset in range(0, 64, 7):
+            target = np.zeros(size + 128, dtype=np.uint8)
+            view = target[offset:offset + size]
+            crcs = fastio.copy_regions([address(view)], [address(source[start:])], [size], checksums=True)
+            assert crcs == [crc32c_software(source[start:start + size])]
+            assert np.array_equal(view, source[start:start + size])
+            assert not target[:offset].any() and not target[offset + size:].any()
+
+
 def test_populate_faults_pages_in_and_keeps_them_zero():
     buffer = fastio.aligned_buffer(5 * 4096 + 100)
     assert buffer.populate(4096, 3 * 4096) is True   # Linux 5.14+ (this project's machines)

@@ -160,14 +160,17 @@ def test_stratified_lives_are_exponential_quantiles():
 
 
 def write_timeline(path, lives):
-    """A timeline as the driver and its trainers write it, with made-up times."""
+    """A timeline as the driver and its trainers write it, with made-up times (a life given a
+    sixth field: its kill's moment)."""
     with open(path, "w") as f:
-        for start, end, resumed, steps in lives:
+        for start, end, resumed, steps, *kill in lives:
             f.write(f"life {start}\n")
             if resumed is not None:
                 f.write("resumed {} {} {} {}\n".format(*resumed))
             for t, setting in steps:
                 f.write(f"step {t} {setting}\n")
+            if kill:
+                f.write(f"kill {kill[0]}\n")
             f.write(f"end {end}\n")
 
 
@@ -185,6 +188,46 @@ def test_timeline_summary_is_what_the_run_spent(tmp_path):
     assert spent["before_minus_resume_s"] == pytest.approx((3.0 + 3.5) / 2)
     assert spent["load_s"] == pytest.approx(0.2 / 2) and spent["replayed"] == 6   # of the lives that resumed
     assert spent["settings"] == {"10/1": 5, "20/1": 1}
+
+
+def test_restarts_the_kills_cut_short_count_and_the_reaping_is_measured(tmp_path):
+    """Kills cut the long restarts first: a mean over the lives that finished a step is too short.
+    Here a life killed 9 s into a restart is at least 9 s long, which Kaplan-Meier counts (the
+    lives that finished a step took 3 and 5 s). The moment of each kill splits a life's last
+    moments into the step in progress (kill - last step end) and the reaping (kill to end)."""
+    path = tmp_path / "t.timeline"
+    write_timeline(path, [
+        (0.0, 10.2, (2.0, 0.0, 0.0, 0), [(3.0, "4/1"), (3.5, "4/1"), (4.0, "4/1"), (5.0, "4/1")], 10.0),
+        (10.2, 19.4, None, [], 19.2),                                        # cut short 9 s into its restart
+        (19.4, 30.0, (23.0, 0.2, 0.3, 2), [(24.4, "4/1"), (24.9, "4/1"), (26.4, "4/1")], 29.6),
+    ])
+    spent = lifelog.summarize(lifelog.read(str(path)))
+    gaps = np.array([0.5, 0.5, 1.0, 0.5, 1.5])
+    assert spent["step_s"] == pytest.approx(0.8) and spent["step_var_s2"] == pytest.approx(np.var(gaps))
+    # Kaplan-Meier over 3, 5 and >= 9: 3 + (5 - 3) * 2/3 + (9 - 5) * 1/3 = 5.667 (the curve ends at
+    # the longest time seen), against 4 over the two that finished.
+    assert spent["before_s"] == pytest.approx(3 + 2 * 2 / 3 + 4 / 3 - 0.8)
+    assert spent["before_finished_s"] == pytest.approx(4.0 - 0.8)
+    assert spent["before_minus_resume_s"] == pytest.approx(3 + (4.5 - 3) * 2 / 3 + (9 - 4.5) / 3 - 0.8)
+    assert spent["before_minus_resume_finished_s"] == pytest.approx((3.0 + 4.5) / 2 - 0.8)
+    assert spent["reap_s"] == pytest.approx((0.2 + 0.2 + 0.4) / 3)
+    assert spent["in_progress_s"] == pytest.approx((5.0 + 3.2) / 2)
+    # The validation's restart: the censored mean plus the reaping, less the base checkpoint's stall.
+    costs = sm._from_the_run(sm.Costs(**IN_RUN), {**spent, "replayed": 2}, 4, 1)
+    assert costs.restart_s == pytest.approx(spent["before_minus_resume_s"] + spent["reap_s"] - IN_RUN["stall_s"])
+    assert costs.step_var_s2 == pytest.approx(np.var(gaps))
+    assert sm._previous_inputs(costs, spent).restart_s == pytest.approx(3.75 - 0.8 - IN_RUN["stall_s"])
+
+
+def test_censored_mean_is_kaplan_meier():
+    assert lifelog.censored_mean([1.0, 2.0, 3.0], [True] * 3) == pytest.approx(2.0)
+    # Exponential durations cut short by exponential censoring: the estimate finds the true mean
+    # where the mean of the uncut ones is biased low.
+    rng = np.random.default_rng(5)
+    duration, cut = rng.exponential(4.0, 4000), rng.exponential(8.0, 4000)
+    seen = duration <= cut
+    assert lifelog.censored_mean(list(np.minimum(duration, cut)), list(seen)) == pytest.approx(4.0, rel=0.05)
+    assert np.mean(duration[seen]) < 3.0
 
 
 def test_a_damaged_timeline_is_named(tmp_path):
@@ -239,3 +282,38 @@ def test_validation_predicts_auto_at_the_settings_it_trained_with(tmp_path):
     assert row["predicted_goodput"] == pytest.approx((1 - e.waste) / costs.step_s)
     # The model's step with fulls amortised is the run's mean step.
     assert costs.step_s / (1 - e.overhead) == pytest.approx(0.5)
+
+
+def test_validation_summarises_the_timeline_afresh_when_it_is_there(tmp_path):
+    """The run's CSV keeps the summary lifelog made then; the timeline beside it is summarised as
+    lifelog does now (a run made before the step variance existed is validated with it)."""
+    spent = {"lives": 3, "wall_s": 30.0, "steps_run": 7, "step_s": 0.5, "before_s": 3.0,
+             "before_minus_resume_s": 2.5, "load_s": 0.1, "replay_s": 0.0, "replayed": 0, "short_lives": 1,
+             "settings": {"4/1": 7}}
+    real_run(tmp_path, "4/1", IN_RUN, spent, durable=4)
+    [saved] = sm.validate(str(tmp_path))
+    assert saved["step_s"] == pytest.approx(0.5) and math.isnan(saved["reap_s"])
+    write_timeline(tmp_path / "tune_real_round0-4_1.timeline", [
+        (0.0, 10.2, (2.0, 0.0, 0.0, 0), [(3.0, "4/1"), (3.5, "4/1"), (4.0, "4/1"), (5.0, "4/1")], 10.0),
+        (10.2, 19.4, None, [], 19.2),
+        (19.4, 30.0, (23.0, 0.2, 0.3, 2), [(24.4, "4/1"), (24.9, "4/1"), (26.4, "4/1")], 29.6),
+    ])
+    [fresh] = sm.validate(str(tmp_path))
+    assert fresh["step_s"] == pytest.approx(0.8) and fresh["reap_s"] == pytest.approx(0.8 / 3)
+    assert fresh["step_sd_s"] == pytest.approx(np.std([0.5, 0.5, 1.0, 0.5, 1.5]))
+
+
+def test_one_run_of_a_dozen_lives_scatters_most_with_long_chunks():
+    """run_spread simulates the model's own session over runs of stratified lives: its mean is the
+    model's goodput, and a run of 12 lives scatters by where its kills fall in the chunks, most
+    with full checkpoints only every 20 steps (a kill loses up to 20 steps of a few hundred)."""
+    c = sm.Costs(step_s=0.5, stall_s=0.05, persist_s=0.4, replay_s=0.04, load_s=0.15, restart_s=4.0,
+                 batch_fixed_s=0.03, diff_bytes_per_step=2e7, write_bytes_per_s=1e9, step_var_s2=0.05)
+    rate = 1 / 20
+    spreads = {}
+    for full_every, batch_steps in ((20, None), (10, 1)):
+        e = evaluate(c, Limits(failure_rate_per_s=rate), full_every, batch_steps)
+        mean, sd = sm.run_spread(e, rate, 12, 0.0, replicas=600)
+        assert mean == pytest.approx((1 - e.waste) / c.step_s, rel=0.02)
+        spreads[batch_steps] = sd / mean
+    assert spreads[None] > 0.07 and spreads[1] < 0.06 and spreads[None] > 1.5 * spreads[1]
