@@ -19,6 +19,11 @@ measuring every configuration in turn):
                    drive, laid out in 1 MiB units round robin, written at once, one fastio engine
                    each, then the checkpoint file); write
                    = persist until committed, read = load_full with every tensor's CRC-32C checked
+  raw read         the same checkpoint's payload read again with every 32 MiB chunk submitted at once
+                   into memory faulted in beforehand, no checksum, no copy (the drives' ceiling for
+                   the layout: load_full below it is CPU work of ours — page faults, CRC-32C —
+                   competing with the loop devices' kernel threads, at it is the drives')
+  cpu              CPU seconds the measuring process used per GB during load_full (all its threads)
 
 Printed per N: aggregate write and read bandwidth, the sum of the N drives' limits measured
 alone in this run, the ratio (target >= 0.9), and the ratio to N = 1. A CSV and a PNG
@@ -115,8 +120,9 @@ def measure(roots: list[str], size: int, repeat: int) -> dict:
     import torch
 
     import fastio
-    from lowdiff.format.fullckpt import Snapshot, load_full
-    from lowdiff.format.schema import TrainedWith
+    from lowdiff.format.fullckpt import Snapshot, load_full, read_full_index
+    from lowdiff.format.payloadread import LOAD_CHUNK_BYTES, StripedPayload
+    from lowdiff.format.schema import PAYLOAD_OFFSET, TrainedWith
     from lowdiff.store.stripes import StripeDevices
 
     torch.set_num_threads(1)
@@ -132,7 +138,9 @@ def measure(roots: list[str], size: int, repeat: int) -> dict:
     snapshot.stage(0, state, TrainedWith((), {}, "bench", "bench"))
     snapshot.copy(on_training_thread=True)
     payload = snapshot.payload_bytes
-    out: dict = {"payload_bytes": payload, "device_write": {}, "device_read": {}, "write": {}, "read": {}}
+    out: dict = {"payload_bytes": payload, "device_write": {}, "device_read": {}, "write": {}, "read": {},
+                 "raw_read": {}, "read_cpu_s_per_gb": {}, "load": [os.getloadavg()[0]]}
+    raw = fastio.aligned_buffer(payload, populate=True)   # (faulted in once: the raw read measures the drives)
     for round_ in range(repeat):
         for k, root in enumerate(roots):
             path = os.path.join(root, "device-probe.bin")
@@ -161,13 +169,24 @@ def measure(roots: list[str], size: int, repeat: int) -> dict:
             started = time.perf_counter()
             snapshot.persist(path, "00000000", stripe=stripe)
             out["write"].setdefault(n, []).append(payload / (time.perf_counter() - started))
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             load_full(path)
             out["read"].setdefault(n, []).append(payload / (time.perf_counter() - started))
+            out["read_cpu_s_per_gb"].setdefault(n, []).append((time.process_time() - cpu) / (payload / 1e9))
+            index = read_full_index(path)
+            reader = StripedPayload(path, index.stripes, index.stripe_bytes) if index.stripes else fastio.Reader(path)
+            started = time.perf_counter()
+            waits = [reader.submit_read_into(PAYLOAD_OFFSET + at, raw.view(at, min(at + LOAD_CHUNK_BYTES, payload)))
+                     for at in range(0, payload, LOAD_CHUNK_BYTES)]
+            for wait in waits:
+                wait()
+            out["raw_read"].setdefault(n, []).append(payload / (time.perf_counter() - started))
+            reader.close()
             if devices:
                 devices.close()
             for d in [home, *(devices.stripe_dirs if devices else ())]:
                 shutil.rmtree(d)
+    out["load"].append(os.getloadavg()[0])
     return out
 
 
@@ -209,13 +228,15 @@ def main(argv=None) -> int:
 
 def report(result: dict, args) -> int:
     med = {kind: {int(k): statistics.median(v) for k, v in result[kind].items()}
-           for kind in ("device_write", "device_read", "write", "read")}
-    print(f"payload {result['payload_bytes'] / 2**20:.0f} MiB, median of {args.repeat} rounds; MB/s = 1e6 B/s")
+           for kind in ("device_write", "device_read", "write", "read", "raw_read", "read_cpu_s_per_gb")}
+    print(f"payload {result['payload_bytes'] / 2**20:.0f} MiB, median of {args.repeat} rounds; MB/s = 1e6 B/s; "
+          f"1-minute load average {result['load'][0]:.1f} at the start, {result['load'][1]:.1f} at the end")
     print("drive limits alone (MB/s): " + ", ".join(
         f"drive {k} write {med['device_write'][k] / 1e6:.0f} read {med['device_read'][k] / 1e6:.0f}"
         for k in sorted(med["device_write"])))
     header = f"{'N':>2} {'write MB/s':>11} {'sum limits':>11} {'x sum':>6} {'x N=1':>6} " \
-             f"{'read MB/s':>10} {'sum limits':>11} {'x sum':>6} {'x N=1':>6}  target"
+             f"{'read MB/s':>10} {'sum limits':>11} {'x sum':>6} {'x N=1':>6} {'raw read':>9} {'x sum':>6} " \
+             f"{'cpu s/GB':>8}  target"
     print(header)
     rows = []
     for n in sorted(med["write"]):
@@ -226,10 +247,15 @@ def report(result: dict, args) -> int:
             row[f"{op}_sum_limits_bytes_per_s"] = sums[op]
             row[f"{op}_x_sum"] = med[op][n] / sums[op]
             row[f"{op}_x_one"] = med[op][n] / med[op][1]
+        row["raw_read_bytes_per_s"] = med["raw_read"][n]
+        row["raw_read_x_sum"] = med["raw_read"][n] / sums["read"]
+        row["read_cpu_s_per_gb"] = med["read_cpu_s_per_gb"][n]
         met = "met" if min(row["write_x_sum"], row["read_x_sum"]) >= TARGET else "MISSED"
         print(f"{n:>2} {row['write_bytes_per_s'] / 1e6:>11.0f} {sums['write'] / 1e6:>11.0f} "
               f"{row['write_x_sum']:>6.2f} {row['write_x_one']:>6.2f} {row['read_bytes_per_s'] / 1e6:>10.0f} "
-              f"{sums['read'] / 1e6:>11.0f} {row['read_x_sum']:>6.2f} {row['read_x_one']:>6.2f}  {met} (>= {TARGET})")
+              f"{sums['read'] / 1e6:>11.0f} {row['read_x_sum']:>6.2f} {row['read_x_one']:>6.2f} "
+              f"{row['raw_read_bytes_per_s'] / 1e6:>9.0f} {row['raw_read_x_sum']:>6.2f} "
+              f"{row['read_cpu_s_per_gb']:>8.2f}  {met} (>= {TARGET})")
         rows.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ not leave the others waiting in the next collective).
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 
@@ -21,8 +20,6 @@ from lowdiff.store.directory import make_durable_directory
 from lowdiff.store.inventory import is_dead_temp
 from lowdiff.store.rankdirs import DRIVE_NAME, drive_of, home_directory
 from lowdiff.store.stripes import check_stripe_dirs
-
-log = logging.getLogger("lowdiff")
 
 
 def _env_local() -> tuple[int, int] | None:
@@ -83,8 +80,8 @@ def spread_over_drives(partition: Partition, stripe_dirs: tuple[str, ...]) -> st
     """Place this rank's directory of ``partition`` on its drive (``place_rank_directory``; the
     drives: the partition's root, then ``stripe_dirs``) on every rank at once; returns it. Raises
     on every rank when one could not place its own (the first such rank's error; on that rank, its
-    own). A node with more drives than ranks uses one drive per rank, with a warning: striping a
-    rank's shares over several drives is not built."""
+    own). A node with more drives than ranks: this rank's stripe directories on its other share
+    drives go to ``partition.stripe_dirs`` (``share_stripe_dirs``)."""
     drives = (partition.root, *check_stripe_dirs(partition.root, stripe_dirs))
     local, count = local_ranks(partition.rank, partition.world)
     error: BaseException | None = None
@@ -104,8 +101,15 @@ def spread_over_drives(partition: Partition, stripe_dirs: tuple[str, ...]) -> st
         raise error
     if why is not None:
         raise (MissingDeviceError if why[0] else CheckpointError)(why[1])
-    if local == 0 and len(drives) > count:
-        log.warning("lowdiff: %d drives for %d ranks on this node: %s not used (striping a rank's shares over "
-                    "several drives is not supported yet; each rank writes to one drive)", len(drives), count,
-                    ", ".join(drives[count:]))
+    partition.stripe_dirs = share_stripe_dirs(drives, local, count, where)
     return where
+
+
+def share_stripe_dirs(drives: tuple[str, ...], local: int, count: int, where: str) -> tuple[str, ...]:
+    """The stripe directories of local rank ``local`` of ``count`` whose rank directory is
+    ``where``: ``rank-NNNNN`` on each of its share drives ``local + count``, ``local + 2 count``, ...
+    below ``len(drives)`` (docs/format.md, "More drives than ranks"), less ``where`` itself (a rank
+    directory an earlier run placed on one of them stays the rank directory)."""
+    name = os.path.basename(os.path.normpath(where))
+    others = (os.path.join(drives[k], name) for k in range(local + count, len(drives), count))
+    return tuple(d for d in others if os.path.realpath(d) != os.path.realpath(where))

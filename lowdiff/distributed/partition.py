@@ -24,6 +24,7 @@ from lowdiff.step.compress import Compressed
 from lowdiff.store.inventory import Inventory, take_inventory
 from lowdiff.store.manifest import FullEntry, Manifest, plan_chain, read_manifest
 from lowdiff.store.rankdirs import is_partitioned, rank_directories, rank_directory
+from lowdiff.store.stripes import check_devices
 
 _NONE = Compressed("none", 0, None)   # a gradient another share records (encoded as "none")
 
@@ -140,6 +141,9 @@ def check_rank_directories(root, manifests: Mapping[int, Manifest | None] | None
     missing = missing_rank_directories(root, manifests, full_sets(root, manifests))
     if missing:
         raise missing_directory_error(root, missing)
+    for rank, manifest in manifests.items():   # a share's stripe or batch on a drive not mounted
+        if manifest is not None:
+            check_devices(rank_directory(root, rank), manifest)
 
 
 def durable_step(manifests: dict, sets: list) -> int:
@@ -256,6 +260,9 @@ class Partition:
     elsewhere: dict = dataclasses.field(default_factory=dict)  # {slot: share}: DTensor gradients another rank
                                                                # of the replicate group records (HSDP)
     session: str | None = None                              # the set's session, from join()
+    # This rank's stripe directories on its other share drives (lowdiff.distributed.drives; empty:
+    # its shares are not striped).
+    stripe_dirs: tuple = ()
     _counts: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property

@@ -74,12 +74,22 @@ def remove_emptied(store: CheckpointStore, home: str | None = None) -> bool:
     return True
 
 
+def stripe_directories(store: CheckpointStore) -> set:
+    """The stripe directories of a rank directory (docs/format.md, "More drives than ranks"): the
+    other drives' directories its listed stripes and batches are in, named as the rank directory."""
+    name = os.path.basename(os.path.normpath(store.directory))
+    dirs = {s.dir for f in store.manifest.fulls for s in f.stripes if s.dir is not None}
+    dirs |= {b.dir for b in store.manifest.batches if getattr(b, "dir", None) is not None}
+    return {d for d in dirs if os.path.basename(os.path.normpath(d)) == name}
+
+
 class DroppedRanks:
     """The dropped rank directories this rank cleans; ``attach`` it to this rank's store."""
 
     def __init__(self, partition: Partition):
         self.stores: list[CheckpointStore] = []
         self._homes: dict = {}   # {store: its rank-NNNNN/ when that holds a DRIVE.json naming it}
+        self._stripe_dirs: dict = {}   # {store: its stripe directories on other drives, removed after it}
         for rank, home in sorted(rank_homes(partition.root).items()):
             if rank >= partition.world and rank % partition.world == partition.rank:
                 path = drive_of(home) or home
@@ -97,6 +107,7 @@ class DroppedRanks:
                     continue
                 store.clean_point = "dropped-clean"     # (lowdiff.faults)
                 self.stores.append(store)
+                self._stripe_dirs[id(store)] = stripe_directories(store)
                 if path != home:
                     self._homes[id(store)] = home
         self._fulls: list | None = None
@@ -122,7 +133,12 @@ class DroppedRanks:
             if store.manifest.files():
                 kept.append(store)
             else:
-                remove_emptied(store, self._homes.get(id(store)))
+                if remove_emptied(store, self._homes.get(id(store))):
+                    for directory in self._stripe_dirs.get(id(store), ()):
+                        try:
+                            os.rmdir(directory)   # (only when empty: files we cannot explain stay)
+                        except OSError:
+                            pass
                 store.close()
         self.stores = kept
 

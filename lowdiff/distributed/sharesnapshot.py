@@ -105,10 +105,17 @@ class ShareSnapshot(Snapshot):
 
     def persist(self, path: str, session: str, *, run: str | None = None, engine=None,
                 before_commit=None, stripe=None) -> int | None:
-        """Write and commit the share (see Snapshot.persist; a share is never striped)."""
-        if stripe is not None:
-            raise ValueError("a full-checkpoint share is not striped over several drives (not supported yet)")
+        """Write and commit the share (see Snapshot.persist). ``stripe``: as there, for the share's
+        body (its bytes of the shared payload, then its own region: docs/format.md, "More drives
+        than ranks"); the file then holds the preamble, objects, index and trailer."""
         assert self._plan is not None and self._buffer is not None, "copy() before persist()"
+        body = self._buffer.view(0, self._body_bytes)
+        stripes: tuple = ()
+        unit = 0
+        if stripe is not None and self._body_bytes:
+            unit, stripes = stripe(body)   # (if before_commit refuses, the caller removes them)
+        else:
+            self.register_fixed(engine)
         layout, shared_bytes, pieces, own, own_bytes = self._plan
         start, end = share_range(shared_bytes, self.index, self.count)
         crcs = iter(self._crcs)
@@ -125,7 +132,7 @@ class ShareSnapshot(Snapshot):
         def make_index(objects_section):
             return FullShareIndex(self.step, session, run, self.index, self.count, shared_bytes, layout_json,
                                   piece_entries, own_bytes, own_entries, objects_section, *meta.fields(),
-                                  dtensors=self._chunks, elsewhere=self._elsewhere)
-        body = self._buffer.view(0, self._body_bytes)
-        self.register_fixed(engine)
-        return write_full_share(path, body, objects, make_index, engine=engine, before_commit=before_commit)
+                                  dtensors=self._chunks, elsewhere=self._elsewhere, stripes=stripes,
+                                  stripe_bytes=unit)
+        return write_full_share(path, body, objects, make_index, engine=engine, before_commit=before_commit,
+                                striped=bool(stripes))

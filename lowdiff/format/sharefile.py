@@ -14,6 +14,7 @@ from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format import container
 from lowdiff.format.batchfile import write_batch
 from lowdiff.format.fullckpt import write_full_file
+from lowdiff.format.payloadread import StripedPayload
 from lowdiff.format.schema import (
     PAGE,
     PAYLOAD_OFFSET,
@@ -25,6 +26,7 @@ from lowdiff.format.schema import (
     _Fields,
     check_chunk_entry,
     check_header,
+    stripes_from_json,
 )
 
 
@@ -63,16 +65,19 @@ class FullShareIndex(FullMeta):
     dtensors: dict             # {key: chunk entry} of DTensor chunks (sharded state; else empty): of ``tensors``
                                # or of ``elsewhere``
     elsewhere: dict            # {key: {"share": j, "dtype": name}}: chunks share j holds instead (HSDP)
+    stripes: tuple             # Stripe: the files holding a striped share's body (empty: the body is in the file)
+    stripe_bytes: int          # the unit of the striped layout (0: not striped)
 
     # The arguments keep the order of the index's fields that callers construct it with.
     def __init__(self, step: int, session: str, run: str | None, index: int, count: int, shared_bytes: int,
                  layout: tuple, pieces: tuple, own_bytes: int, tensors: tuple, objects: Section, param_names: tuple,
                  param_aliases: dict, optimizer_class: str, compressor: str, dtensors: dict | None = None,
-                 elsewhere: dict | None = None):
+                 elsewhere: dict | None = None, stripes: tuple = (), stripe_bytes: int = 0):
         super().__init__(step, session, run, tensors, objects, param_names, param_aliases, optimizer_class, compressor)
         for name, value in (("index", index), ("count", count), ("shared_bytes", shared_bytes), ("layout", layout),
                             ("pieces", pieces), ("own_bytes", own_bytes), ("dtensors", dict(dtensors or {})),
-                            ("elsewhere", dict(elsewhere or {}))):
+                            ("elsewhere", dict(elsewhere or {})), ("stripes", tuple(stripes)),
+                            ("stripe_bytes", stripe_bytes if stripes else 0)):
             object.__setattr__(self, name, value)
 
     @property
@@ -83,6 +88,11 @@ class FullShareIndex(FullMeta):
     def end(self) -> int:
         return share_range(self.shared_bytes, self.index, self.count)[1]
 
+    @property
+    def body_bytes(self) -> int:
+        """The share's bytes of the shared payload and its own region: what a striped share stripes."""
+        return self.end - self.start + self.own_bytes
+
     def to_json(self) -> dict:
         return {**self.meta_json("full-share"),
                 "share": {"index": self.index, "count": self.count, "start": self.start, "end": self.end},
@@ -91,7 +101,10 @@ class FullShareIndex(FullMeta):
                 # Only sharded (DTensor) state has chunk entries: other shares keep their bytes.
                 **({"dtensors": dict(self.dtensors)} if self.dtensors else {}),
                 # Only HSDP shares lack chunks that another rank of the replicate group holds.
-                **({"elsewhere": {k: dict(v) for k, v in self.elsewhere.items()}} if self.elsewhere else {})}
+                **({"elsewhere": {k: dict(v) for k, v in self.elsewhere.items()}} if self.elsewhere else {}),
+                # Only a striped share names stripes (docs/format.md, "More drives than ranks").
+                **({"stripes": [s.to_json() for s in self.stripes], "stripe_bytes": self.stripe_bytes}
+                   if self.stripes else {})}
 
     @classmethod
     def from_json(cls, path: str, obj, file_bytes: int) -> FullShareIndex:
@@ -105,14 +118,18 @@ class FullShareIndex(FullMeta):
             raise fields.bad(f"share range {obj['share']} is not [{start}, {end}) for share {index} of {count}")
         own_bytes = fields.count("own_bytes")
         own_start = PAYLOAD_OFFSET + end - start
-        if own_bytes % PAGE or own_start + own_bytes > file_bytes:
+        items = fields.get("stripes", list, [])
+        unit = fields.count("stripe_bytes") if items else 0
+        stripes = stripes_from_json(path, items, end - start + own_bytes, unit, fields)
+        body_end = PAYLOAD_OFFSET if stripes else own_start + own_bytes   # a striped body is in its stripes
+        if own_bytes % PAGE or body_end > file_bytes:
             raise fields.bad(f"own region of {own_bytes} bytes does not fit the file in whole pages")
         layout = tuple(_layout_entry(path, e, i) for i, e in enumerate(fields.get("layout", list)))
         pieces = _pieces(fields, layout, start, end)
         tensors = tuple(TensorEntry.from_json(path, t, i) for i, t in enumerate(fields.get("tensors", list)))
         _check_disjoint(fields, tensors, own_start, own_start + own_bytes)
         objects = Section.from_json(path, fields.get("objects", dict), "objects section")
-        if objects.offset < own_start + own_bytes or objects.offset + objects.nbytes > file_bytes:
+        if objects.offset < body_end or objects.offset + objects.nbytes > file_bytes:
             raise fields.bad(f"objects section at offset {objects.offset} lies outside the file after the payload")
         step, session, run, names, aliases, optimizer_class, compressor = cls.meta_fields(
             fields, fields.get("param_names", list), fields.get("param_aliases", dict))
@@ -130,7 +147,7 @@ class FullShareIndex(FullMeta):
         if set(elsewhere) - set(chunks):
             raise fields.bad(f"elsewhere names {sorted(set(elsewhere) - set(chunks))[0]!r}, which has no chunk entry")
         return cls(step, session, run, index, count, shared_bytes, layout, pieces, own_bytes, tensors, objects,
-                   names, aliases, optimizer_class, compressor, chunks, elsewhere)
+                   names, aliases, optimizer_class, compressor, chunks, elsewhere, stripes, unit)
 
 
 def _elsewhere_chunks(fields: _Fields, obj, index: int, count: int) -> dict:
@@ -169,12 +186,55 @@ def _pieces(fields: _Fields, layout: tuple, start: int, end: int) -> tuple:
     return tuple(pieces)
 
 
-def write_full_share(path: str, body, objects: bytes, make_index, *, engine=None, before_commit=None) -> int | None:
+def write_full_share(path: str, body, objects: bytes, make_index, *, engine=None, before_commit=None,
+                     striped: bool = False) -> int | None:
     """Write a full-checkpoint share: ``body`` (the share's bytes then the own region, page
     multiples), ``objects``, and the index ``make_index(objects_section)`` returns; commit it.
-    ``before_commit()`` returning False discards it: returns None."""
-    return write_full_file(path, container.KIND_FULL_SHARE, body, objects, make_index, engine=engine,
-                           before_commit=before_commit)
+    ``before_commit()`` returning False discards it: returns None. ``striped``: the body is in
+    stripes already durable (named by the index), the file holds the rest."""
+    return write_full_file(path, container.KIND_FULL_SHARE, memoryview(b"") if striped else body, objects,
+                           make_index, engine=engine, before_commit=before_commit)
+
+
+class ShareBody:
+    """The body of a full-checkpoint share as one reader of logical file offsets (the body at
+    PAYLOAD_OFFSET, as the index gives them): the file's own reader, or for a striped share its
+    stripes (lowdiff.format.payloadread.StripedPayload: a missing drive raises MissingDeviceError, a
+    missing or resized stripe file CorruptCheckpointError naming it, when this is made)."""
+
+    def __init__(self, path: str, reader, index: FullShareIndex, check_stripes: bool = False) -> None:
+        self.striped = StripedPayload(path, index.stripes, index.stripe_bytes, check_stripes) \
+            if index.stripes else None
+        self._reader = reader
+
+    def submit_read_into(self, offset: int, out):
+        return (self.striped or self._reader).submit_read_into(offset, out)
+
+    def read_into(self, offset: int, out) -> None:
+        self.submit_read_into(offset, out)()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        if self.striped is None:
+            return self._reader.read(offset, nbytes)
+        out = bytearray(nbytes)
+        if nbytes:
+            self.read_into(offset, out)
+        return bytes(out)
+
+    def check(self) -> None:
+        """A striped body read whole with ``check_stripes``: every stripe file's CRC-32C."""
+        if self.striped is not None:
+            self.striped.check()
+
+    def close(self) -> None:
+        if self.striped is not None:
+            self.striped.close()
+
+    def __enter__(self) -> ShareBody:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_full_share_index(path: str, reader) -> FullShareIndex:
@@ -184,9 +244,11 @@ def read_full_share_index(path: str, reader) -> FullShareIndex:
 
 def read_share_bytes_into(path: str, reader, index: FullShareIndex, out) -> None:
     """Read the share's bytes of the shared payload into ``out`` (a writable buffer of
-    ``end - start`` bytes) and check every piece's CRC-32C."""
+    ``end - start`` bytes) and check every piece's CRC-32C. ``reader``: the file's, or its ShareBody."""
     if index.end > index.start:
-        reader.read_into(PAYLOAD_OFFSET, out)
+        with ShareBody(path, reader, index) if index.stripes and not isinstance(reader, ShareBody) else \
+                _Borrowed(reader) as body:
+            body.read_into(PAYLOAD_OFFSET, out)
     view = memoryview(out)
     for piece in index.pieces:
         lo = piece.offset - index.start
@@ -195,14 +257,31 @@ def read_share_bytes_into(path: str, reader, index: FullShareIndex, out) -> None
                                                f"{piece.offset + piece.nbytes} fail their checksum")
 
 
+class _Borrowed:
+    """A reader used as a context manager without closing it (the caller's)."""
+
+    def __init__(self, reader) -> None:
+        self.reader = reader
+
+    def __enter__(self):
+        return self.reader
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def read_own(path: str, reader, index: FullShareIndex) -> tuple[dict, bytes]:
-    """(own tensors by key as raw bytes, objects section bytes), every checksum checked."""
+    """(own tensors by key as raw bytes, objects section bytes), every checksum checked. ``reader``:
+    the share file's (a striped share's own tensors are read from its stripes)."""
     own = {}
-    for entry in index.tensors:
-        data = reader.read(entry.offset, entry.nbytes) if entry.nbytes else b""
-        if fastio.crc32c(data) != entry.crc32c:
-            raise CorruptCheckpointError(path, f"tensor {entry.key!r} at offset {entry.offset} fails its checksum")
-        own[entry.key] = (entry, bytearray(data))
+    with ShareBody(path, reader, index) if index.stripes and any(e.nbytes for e in index.tensors) else \
+            _Borrowed(reader) as body:
+        for entry in index.tensors:
+            data = body.read(entry.offset, entry.nbytes) if entry.nbytes else b""
+            if fastio.crc32c(data) != entry.crc32c:
+                raise CorruptCheckpointError(path, f"tensor {entry.key!r} at offset {entry.offset} fails its "
+                                                   f"checksum")
+            own[entry.key] = (entry, bytearray(data))
     objects = reader.read(index.objects.offset, index.objects.nbytes)
     if fastio.crc32c(objects) != index.objects.crc32c:
         raise CorruptCheckpointError(path, f"objects section at offset {index.objects.offset} fails its checksum")

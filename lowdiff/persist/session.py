@@ -37,9 +37,9 @@ class CheckpointSession:
         self.config = config
         self.controller = Controller(config)
         self.drainer = None          # storage tiers: copies committed files to the shared tier
-        # Partitioned, the drives hold whole rank directories (placed at wrap, lowdiff.distributed.drives):
-        # a rank's own store stripes nothing.
-        stripe_dirs = config.stripe_dirs if partition is None else ()
+        # Partitioned, the drives hold whole rank directories (placed at wrap, lowdiff.distributed.drives),
+        # and a rank with several share drives stripes over its stripe directories on the others.
+        stripe_dirs = config.stripe_dirs if partition is None else partition.stripe_dirs
         if config.tiers is not None:
             # (Partitioned: each rank drains its own rank directory; the join happens in there.)
             self.store, self.drainer = open_tiers(directory, config.tiers, config.retention, engine, partition,
@@ -47,7 +47,8 @@ class CheckpointSession:
         elif partition is None:
             self.store = CheckpointStore(directory, config.retention, stripe_dirs=stripe_dirs)
         else:
-            self.store = CheckpointStore(partition.directory, config.retention, complete=partition.complete)
+            self.store = CheckpointStore(partition.directory, config.retention, complete=partition.complete,
+                                         stripe_dirs=stripe_dirs)
             partition.join(self.store)
         self.partition = partition
         self.dropped = None          # partitioned: rank directories of ranks that no longer exist

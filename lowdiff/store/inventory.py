@@ -322,7 +322,7 @@ def _describe_share(path: str, name: str, nbytes: int):
                                            f"its preamble says otherwise")
     entry: FullEntry | BatchEntry
     if m:
-        entry = FullEntry(index.step, name, nbytes, m.group(2))
+        entry = FullEntry(index.step, name, nbytes, m.group(2), index.stripes)   # (a striped share's)
     else:
         m = DIFF_RE.match(name)
         assert m is not None, f"{name!r} is not a checkpoint file name"  # callers describe only those

@@ -331,9 +331,6 @@ def open_tiers(directory: str, tiers: Tiers, retention: Policy, engine=None,
     checkpoints are drained as unstriped ones (lowdiff.tiers.unstripe), its batches from their drive."""
     if is_object_url(tiers.shared_dir):
         return _open_bucket(directory, tiers, retention, engine, partition, stripe_dirs)
-    if stripe_dirs and partition is not None:
-        raise ValueError(f"Options(stripe_dirs={tuple(stripe_dirs)!r}) in a partitioned directory: striping a rank "
-                         f"directory's full checkpoints is not supported yet")
     local_dir = directory if partition is None else partition.directory
     shared_dir = tiers.shared_dir if partition is None else rank_directory(tiers.shared_dir, partition.rank)
     if os.path.realpath(directory) == os.path.realpath(tiers.shared_dir):

@@ -1,4 +1,4 @@
-"""A striped full checkpoint drained to the shared tier as one unstriped full checkpoint
+"""A striped full checkpoint (or full-checkpoint share) drained to the shared tier as one unstriped file
 (docs/format.md, "Storage tiers" and "Striped full checkpoints"): the shared tier holds no stripe
 and resumes alone, on any machine, without the local drives.
 
@@ -29,17 +29,28 @@ from lowdiff.format import container
 from lowdiff.format.fullckpt import read_full_index
 from lowdiff.format.payloadread import StripedPayload
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex
+from lowdiff.format.sharefile import FullShareIndex, read_full_share_index
 
 _CHUNK_BYTES = 8 << 20
 SCRATCH_RE = re.compile(r"^\.upload-(\d+)$")   # (docs/format.md, "What may be deleted")
 
 
-def unstriped_index(index: FullIndex, objects_offset: int) -> FullIndex:
-    """``index`` of a striped checkpoint as the index of the same checkpoint written unstriped,
-    its objects section at ``objects_offset``."""
-    return FullIndex(index.step, index.session, index.run, index.payload_bytes, index.tensors,
-                     dataclasses.replace(index.objects, offset=objects_offset), index.param_names,
-                     index.param_aliases, index.optimizer_class, index.compressor)
+def unstriped_index(index, objects_offset: int):
+    """``index`` of a striped checkpoint (FullIndex) or full-checkpoint share (FullShareIndex) as
+    the index of the same file written unstriped, its objects section at ``objects_offset``."""
+    return dataclasses.replace(index, objects=dataclasses.replace(index.objects, offset=objects_offset),
+                               stripes=(), stripe_bytes=0)
+
+
+def _striped_index(source: str) -> tuple[int, FullIndex | FullShareIndex, int]:
+    """(container kind, index, bytes at PAYLOAD_OFFSET of the unstriped file) of ``source``: a
+    striped full checkpoint, or a striped share (its body: docs/format.md, "More drives than ranks")."""
+    if container.file_kind(source) == container.KIND_FULL_SHARE:
+        with fastio.Reader(source) as reader:
+            share = read_full_share_index(source, reader)
+        return container.KIND_FULL_SHARE, share, share.body_bytes
+    index: FullIndex = read_full_index(source)
+    return container.KIND_FULL, index, index.payload_bytes
 
 
 def copy_unstriped(source: str, target: str, check_copy, engine=None, verify: bool = True,
@@ -50,7 +61,7 @@ def copy_unstriped(source: str, target: str, check_copy, engine=None, verify: bo
     is passed in; return its size. A stripe or objects section that fails its checksum raises
     CorruptCheckpointError naming it, and nothing appears at ``target``."""
     started = time.perf_counter()
-    index = read_full_index(source)
+    kind, index, payload_bytes = _striped_index(source)
     with fastio.Reader(source) as reader:
         objects = bytes(reader.read(index.objects.offset, index.objects.nbytes))
     if index.objects.crc32c is not None and fastio.crc32c(objects) != index.objects.crc32c:
@@ -70,13 +81,13 @@ def copy_unstriped(source: str, target: str, check_copy, engine=None, verify: bo
         verify_s = time.perf_counter() - began
 
     with StripedPayload(source, index.stripes, index.stripe_bytes, check_stripes=True) as payload, \
-            fastio.Writer(target, size_hint=PAYLOAD_OFFSET + index.payload_bytes + len(objects) + 8192,
+            fastio.Writer(target, size_hint=PAYLOAD_OFFSET + payload_bytes + len(objects) + 8192,
                           engine=engine) as writer:
-        head = container.preamble_bytes(container.KIND_FULL).ljust(PAGE, b"\0")
+        head = container.preamble_bytes(kind).ljust(PAGE, b"\0")
         crc = fastio.crc32c(head)
         writer.write(head)
-        for offset in range(0, index.payload_bytes, _CHUNK_BYTES):
-            n = min(_CHUNK_BYTES, index.payload_bytes - offset)
+        for offset in range(0, payload_bytes, _CHUNK_BYTES):
+            n = min(_CHUNK_BYTES, payload_bytes - offset)
             payload.submit_read_into(PAYLOAD_OFFSET + offset, buffer[:n])()
             crc = fastio.crc32c(buffer[:n], crc)
             writer.write(buffer[:n])
@@ -84,7 +95,7 @@ def copy_unstriped(source: str, target: str, check_copy, engine=None, verify: bo
         objects_offset = writer.write(objects)
         body = container.encode_index(unstriped_index(index, objects_offset).to_json())
         index_offset = writer.write(body)
-        tail = container.trailer_bytes(index_offset, body, container.KIND_FULL)
+        tail = container.trailer_bytes(index_offset, body, kind)
         writer.write(tail)
         crc = fastio.crc32c(tail, fastio.crc32c(body, fastio.crc32c(objects, crc)))
         faults.point("drain-write")

@@ -23,7 +23,7 @@ from lowdiff.format.fullckpt import payload_tensor
 from lowdiff.format.payloadread import apart, placeable, read_payload
 from lowdiff.format.records import dtype_from_name
 from lowdiff.format.schema import PAGE, PAYLOAD_OFFSET, FullIndex, FullState, TensorEntry
-from lowdiff.format.sharefile import read_full_share_index, read_own
+from lowdiff.format.sharefile import ShareBody, read_full_share_index, read_own
 from recovery.partitioned.plan import LOCAL, FullSet, LocalFiles
 from recovery.plan import warn
 
@@ -122,8 +122,8 @@ def _read_share_payload(path: str, index, layout: dict, placed: dict, staging) -
     entries = [TensorEntry(PAYLOAD_OFFSET + p.offset - index.start, p.nbytes, crc32c=p.crc32c, key=p.key,
                            dtype="uint8", shape=(p.nbytes,)) for p in index.pieces]
     into = {p.key: _piece_target(p, layout, placed) for p in index.pieces if p.key in placed}
-    with fastio.Reader(path) as reader:
-        _, got = read_payload(path, reader, index.end - index.start, entries, True, into, buffer=staging,
+    with fastio.Reader(path) as reader, ShareBody(path, reader, index) as body:   # (a striped share: its stripes)
+        _, got = read_payload(path, body, index.end - index.start, entries, True, into, buffer=staging,
                               base=index.start)
     # Every rank receives these pieces in the live tensors: all must have been read there.
     assert got.keys() == into.keys(), sorted(set(into) - set(got))

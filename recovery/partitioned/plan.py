@@ -19,6 +19,7 @@ from lowdiff.distributed.partition import (
     session_chain,
 )
 from lowdiff.errors import CheckpointError, MissingDeviceError
+from lowdiff.store.stripes import check_devices
 from recovery.plan import warn
 
 
@@ -56,13 +57,21 @@ LOCAL = LocalFiles()
 @dataclasses.dataclass(frozen=True)
 class FullSet:
     """A complete full set: share i is ``files[i]``; ``chains[i]`` the differential files of share
-    i continuing it (names in ``rank-i/``); ``reach`` the step all its chains reach by the manifests."""
+    i continuing it (names in ``rank-i/``); ``reach`` the step all its chains reach by the manifests;
+    ``chain_dirs[i]``: the directory of each of them on another drive (a striped rank directory's
+    stripe directory: docs/format.md, "More drives than ranks"), None where it is in the rank's own."""
     step: int
     session: str
     count: int
     files: tuple
     chains: tuple
     reach: int = -1
+    chain_dirs: tuple = ()
+
+    def chain_path(self, root: str, share: int, position: int) -> str:
+        """Where file ``position`` of share ``share``'s chain is."""
+        where = self.chain_dirs[share][position] if self.chain_dirs else None
+        return os.path.join(where if where is not None else rank_directory(root, share), self.chains[share][position])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,8 @@ def plan(root: str, stop_step: int | None, views: dict | None = None, count_of=N
             for note in inventory.notes:
                 warn(f"lowdiff: {note}")
     manifests = {rank: inventory.manifest for rank, inventory in views.items()}
+    for rank, manifest in manifests.items():   # a striped share's drive not mounted: refused by name
+        check_devices(rank_directory(root, rank), manifest)
     newest = max([b.last for m in manifests.values() for b in m.batches] +
                  [f.step for m in manifests.values() for f in m.fulls], default=-1)
     every = full_sets(root, manifests, count_of)
@@ -112,10 +123,12 @@ def plan(root: str, stop_step: int | None, views: dict | None = None, count_of=N
             continue
         entries = [next(f for f in manifests[i].fulls if (f.step, f.session) == (fset.step, fset.session))
                    for i in range(fset.count)]
-        chains = tuple(tuple(b.file for b in session_chain(manifests[i], fset.step, fset.session))
-                       for i in range(fset.count))
+        links = [session_chain(manifests[i], fset.step, fset.session) for i in range(fset.count)]
+        chains = tuple(tuple(b.file for b in chain) for chain in links)
+        dirs = tuple(tuple(getattr(b, "dir", None) for b in chain) for chain in links)
         files = tuple(os.path.join(rank_directory(root, i), e.file) for i, e in enumerate(entries))
-        sets.append(FullSet(fset.step, fset.session, fset.count, files, chains, fset.reach(manifests)))
+        sets.append(FullSet(fset.step, fset.session, fset.count, files, chains, fset.reach(manifests),
+                            dirs if any(d is not None for chain in dirs for d in chain) else ()))
     # Newest step first; among sets of one step (a run resumed at a full set's step writes its base
     # set there too, in a new session), the one whose chain reaches furthest — not the session
     # names' order, which is random: the abandoned timeline's set, its chain dropped, reaches only

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lowdiff.distributed.dtensors import LocalGradTarget
-from lowdiff.distributed.partition import missing_directory_error, rank_directory
+from lowdiff.distributed.partition import missing_directory_error
 from lowdiff.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, VersionMismatchError
 from lowdiff.format.schema import FullIndex
 from lowdiff.format.sharefile import read_diff_share_index
@@ -45,8 +45,8 @@ def _exchange_indexes(root: str, fset: FullSet, rank: int, world: int, files: Lo
         reader_rank = i % world
         listed: list = []
         if reader_rank == rank:
-            for name in names:
-                path = os.path.join(rank_directory(root, i), name)
+            for position in range(len(names)):
+                path = fset.chain_path(root, i, position)   # (on another drive: there)
                 try:
                     with files.index_reader(path) as reader:
                         listed.append((path, read_diff_share_index(path, reader)))

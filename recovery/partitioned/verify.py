@@ -13,9 +13,16 @@ import fastio
 from lowdiff.distributed.partition import rank_directory, read_views
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format.records import decode_record
-from lowdiff.format.sharefile import parse_diff_share, read_full_share_index, read_own, read_share_bytes_into
+from lowdiff.format.schema import PAYLOAD_OFFSET
+from lowdiff.format.sharefile import (
+    ShareBody,
+    parse_diff_share,
+    read_full_share_index,
+    read_own,
+    read_share_bytes_into,
+)
 from lowdiff.store.inventory import check_entry
-from lowdiff.store.manifest import MANIFEST_NAME, FullEntry
+from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, entry_path
 from recovery.partitioned.plan import plan
 from recovery.pipeline.replay import verify_workers
 from recovery.verify import Problem, VerifyReport, _inventory_problems, _manifest_problems, checked
@@ -25,6 +32,10 @@ def _check_full_share(path: str, entry: FullEntry, run) -> None:
     with fastio.Reader(path) as reader:
         index = read_full_share_index(path, reader)
         check_entry(path, entry, index, reader.size, run)
+        if index.stripes:   # every stripe file's CRC-32C too (bytes no piece or tensor covers)
+            with ShareBody(path, reader, index, check_stripes=True) as body:
+                body.read_into(PAYLOAD_OFFSET, bytearray(index.body_bytes))
+                body.check()
         read_share_bytes_into(path, reader, index, bytearray(index.end - index.start))
         read_own(path, reader, index)
 
@@ -82,7 +93,7 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
         problems += _rank_problems(directory, inventory)
         name = os.path.basename(directory)
         # (Named rank-NNNNN/NAME wherever the rank directory is: on another drive, its DRIVE.json says.)
-        jobs += [(os.path.join(name, e.file), e, manifest.run, os.path.join(directory, e.file))
+        jobs += [(os.path.join(name, e.file), e, manifest.run, entry_path(directory, e))
                  for e in manifest.fulls + manifest.batches]
         adopted += [os.path.join(name, n) for n in inventory.adopted]
     with concurrent.futures.ThreadPoolExecutor(workers or verify_workers()) as pool:

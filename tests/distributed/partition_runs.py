@@ -17,15 +17,16 @@ def free_port() -> int:
 
 
 def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeout=180, steps=STEPS,
-           worker=WORKER):
+           worker=WORKER, envs=None):
     """Run ``world`` ranks; when one dies of SIGKILL the others are killed too (as torchrun does).
-    Returns [(exit code, stderr)] by rank."""
+    ``envs``: each rank's extra environment variables. Returns [(exit code, stderr)] by rank."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ)
         if fault is not None and rank == fault_rank:
             env["LOWDIFF_FAULT"] = fault
+        env.update(envs[rank] if envs else {})
         args = [sys.executable, worker, "--rank", str(rank), "--world", str(world), "--port", str(port),
                 "--steps", str(steps), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
         procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))

@@ -52,6 +52,8 @@ def main():
     p.add_argument("--full-every", type=int, default=4)
     p.add_argument("--mark-replay", action="store_true")
     p.add_argument("--deadline-s", type=float, help="ObjectStore(deadline_s=this)")
+    p.add_argument("--stripe-dirs", default="", help="Options(stripe_dirs=...), comma-separated; '{rank}' is "
+                                                     "replaced by the rank")
     args = p.parse_args()
     # partition_worker's build() reads these; this worker does not vary them
     args.unused, args.bucket_view, args.static_graph, args.tied = False, False, False, False
@@ -66,7 +68,9 @@ def main():
                        scheduler=sched, extra_state={"sampler": sampler},
                        tiers=Tiers(args.shared_dir, shared=args.shared_policy,
                                    object_store=None if args.deadline_s is None else
-                                   ObjectStore(deadline_s=args.deadline_s)))
+                                   ObjectStore(deadline_s=args.deadline_s)),
+                       options=lowdiff.Options(stripe_dirs=tuple(d.format(rank=args.rank)
+                                                                 for d in args.stripe_dirs.split(",") if d)))
     start = recovery.resume(args.dir, ddp, opt)
     data = torch.randn(64, 16, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(8))
