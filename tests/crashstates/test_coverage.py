@@ -54,7 +54,9 @@ def test_controller_write_is_a_crash_point(tmp_path):
                              reference_digests(AUTO_STEPS)))
 
 
-@pytest.mark.parametrize("mode", ["tiers", "replica"])
+# "tiers" with -m soak: torchrun restarting DDP with tiers after a SIGKILL is run by default by the
+# regression test at the end of this file (the random points of both modes: campaign.py).
+@pytest.mark.parametrize("mode", [pytest.param("tiers", marks=pytest.mark.soak), "replica"])
 def test_torchrun_restarts_after_a_sigkill_at_a_random_crash_point(tmp_path, rng, mode):
     phases = ["record", "batch-write", "batch-commit", "full-write", "full-commit", "manifest-write",
               "manifest-commit"] + (["drain-write", "drain-commit"] if mode == "tiers" else [])

@@ -88,7 +88,10 @@ def assert_resumed_exactly(tmp_path, reference, name, lowest=1):
     assert len(resumed) == 1
 
 
-@pytest.mark.parametrize("compressor,optimizer", [("dense", "adamw"), ("topk", "sgd")])
+# TopK/SGD with -m soak: TopK under FSDP2 is SIGKILLed and resumed by test_fsdp2_hsdp.py, and the
+# topk_sgd directory is resumed (at 4 ranks) by the four_ranks test below.
+@pytest.mark.parametrize("compressor,optimizer", [("dense", "adamw"),
+                                                  pytest.param("topk", "sgd", marks=pytest.mark.soak)])
 def test_sigkill_of_every_rank_resumes_exactly(tmp_path, request, compressor, optimizer):
     extra = ("--compressor", compressor, "--optimizer", optimizer)
     reference, directory = request.getfixturevalue(f"{compressor}_{optimizer}")
@@ -115,6 +118,7 @@ def damage_rank_1s_newest_chunk(directory) -> int:
     return int(newest.split("-")[1])
 
 
+@pytest.mark.soak   # drives: killed and resumed by test_partitioned_drives.py (DDP ranks, the same rank directories)
 def test_ranks_on_their_drives_killed_and_resumed_exactly(tmp_path, dense_adamw):
     """Options(stripe_dirs=...) under FSDP2 (docs/format.md, "Rank directories on several local
     drives"): rank 1's chunks are written on the other drive, named by rank-00001/DRIVE.json; the job
