@@ -54,9 +54,12 @@ def test_controller_write_is_a_crash_point(tmp_path):
                              reference_digests(AUTO_STEPS)))
 
 
-# "tiers" with -m soak: torchrun restarting DDP with tiers after a SIGKILL is run by default by the
-# regression test at the end of this file (the random points of both modes: campaign.py).
-@pytest.mark.parametrize("mode", [pytest.param("tiers", marks=pytest.mark.soak), "replica"])
+# With -m soak (random points: coverage; campaign.py runs many): torchrun restarting DDP with tiers
+# after a SIGKILL runs by default in the regression test at the end of this file, torchrun restarts
+# after a SIGKILL in tests/distributed/test_torchrun.py, replica mode SIGKILLed and resumed exactly in
+# tests/distributed/test_replica_ddp.py and tests/integration/test_replica_kill.py.
+@pytest.mark.soak
+@pytest.mark.parametrize("mode", ["tiers", "replica"])
 def test_torchrun_restarts_after_a_sigkill_at_a_random_crash_point(tmp_path, rng, mode):
     phases = ["record", "batch-write", "batch-commit", "full-write", "full-commit", "manifest-write",
               "manifest-commit"] + (["drain-write", "drain-commit"] if mode == "tiers" else [])
