@@ -54,6 +54,11 @@ def test_controller_write_is_a_crash_point(tmp_path):
                              reference_digests(AUTO_STEPS)))
 
 
+# With -m soak (random points: coverage; campaign.py runs many): torchrun restarting DDP with tiers
+# after a SIGKILL runs by default in the regression test at the end of this file, torchrun restarts
+# after a SIGKILL in tests/distributed/test_torchrun.py, replica mode SIGKILLed and resumed exactly in
+# tests/distributed/test_replica_ddp.py and tests/integration/test_replica_kill.py.
+@pytest.mark.soak
 @pytest.mark.parametrize("mode", ["tiers", "replica"])
 def test_torchrun_restarts_after_a_sigkill_at_a_random_crash_point(tmp_path, rng, mode):
     phases = ["record", "batch-write", "batch-commit", "full-write", "full-commit", "manifest-write",

@@ -88,7 +88,10 @@ def assert_resumed_exactly(tmp_path, reference, name, lowest=1):
     assert len(resumed) == 1
 
 
-@pytest.mark.parametrize("compressor,optimizer", [("dense", "adamw"), ("topk", "sgd")])
+# TopK/SGD with -m soak: TopK under FSDP2 is SIGKILLed and resumed by test_fsdp2_hsdp.py, and the
+# topk_sgd directory is resumed (at 4 ranks) by the four_ranks test below.
+@pytest.mark.parametrize("compressor,optimizer", [("dense", "adamw"),
+                                                  pytest.param("topk", "sgd", marks=pytest.mark.soak)])
 def test_sigkill_of_every_rank_resumes_exactly(tmp_path, request, compressor, optimizer):
     extra = ("--compressor", compressor, "--optimizer", optimizer)
     reference, directory = request.getfixturevalue(f"{compressor}_{optimizer}")
@@ -115,6 +118,7 @@ def damage_rank_1s_newest_chunk(directory) -> int:
     return int(newest.split("-")[1])
 
 
+@pytest.mark.soak   # drives: killed and resumed by test_partitioned_drives.py (DDP ranks, the same rank directories)
 def test_ranks_on_their_drives_killed_and_resumed_exactly(tmp_path, dense_adamw):
     """Options(stripe_dirs=...) under FSDP2 (docs/format.md, "Rank directories on several local
     drives"): rank 1's chunks are written on the other drive, named by rank-00001/DRIVE.json; the job
@@ -213,16 +217,17 @@ def test_export_of_a_sharded_directory_writes_the_gathered_state(tmp_path, dense
         assert gathered_of(state["model"], opt["state"], opt["param_groups"]) == reference[2][step]
 
 
-def test_time_travel_to_an_earlier_step_of_a_sharded_directory(tmp_path, dense_adamw):
+# 5 with -m soak: test_fsdp2_directory.py travels to 5 (from step 4's set, a newer one kept) by default.
+@pytest.mark.parametrize("step", [3, pytest.param(5, marks=pytest.mark.soak)])
+def test_time_travel_to_an_earlier_step_of_a_sharded_directory(tmp_path, dense_adamw, step):
     """resume(..., step=K) on a sharded directory: every rank's state is the uninterrupted run's at
     K, inside a set's chain (3: from the set of step 0) and past a newer set (5: from step 4's)."""
     reference, directory = dense_adamw
-    for step in (3, 5):
-        name = f"travel{step}"
-        ok(launch(copied(directory, tmp_path / name), tmp_path / name, 2, "--resume-only", "--resume-step", str(step)))
-        for rank in range(2):
-            resumed, got = digests(tmp_path / f"{name}-{rank}.txt")
-            assert resumed == step and got[step] == reference[rank][step], (step, rank)
+    name = f"travel{step}"
+    ok(launch(copied(directory, tmp_path / name), tmp_path / name, 2, "--resume-only", "--resume-step", str(step)))
+    for rank in range(2):
+        resumed, got = digests(tmp_path / f"{name}-{rank}.txt")
+        assert resumed == step and got[step] == reference[rank][step], (step, rank)
 
 
 def test_a_tied_weight_is_stored_once_and_resumed_exactly(tmp_path):

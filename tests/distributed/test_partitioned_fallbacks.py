@@ -55,7 +55,10 @@ def damage_manifest(directory, damage):
         manifest.unlink()
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+# Each damage is rebuilt in one process by test_partitioned.py (and "truncate" there with 2 real ranks
+# too); here 2 ranks train on after the rebuild: one damage by default, the other two with -m soak.
+@pytest.mark.parametrize("damage", [pytest.param("corrupt", marks=pytest.mark.soak), "truncate",
+                                    pytest.param("delete", marks=pytest.mark.soak)])
 def test_damaged_rank_manifest_two_ranks_resume_and_train_on(tmp_path, reference, stopped, damage):
     """Without the rebuild rank 1 would list no share: no set complete, resume at step 0."""
     ref, _ = reference
@@ -81,7 +84,9 @@ def _record_offset(path, step):
     return next(offset for s, offset, _ in index.batch.records if s == step)
 
 
-@pytest.mark.parametrize("tear", ["truncated", "record-corrupted"])
+# Both tears end the chain in one process in test_partitioned.py; with 2 ranks training on, the
+# record-corrupted one (part of the share still used) by default, the truncated one with -m soak.
+@pytest.mark.parametrize("tear", [pytest.param("truncated", marks=pytest.mark.soak), "record-corrupted"])
 def test_torn_differential_share_two_ranks_resume_and_train_on(tmp_path, reference, tear):
     ref, directory = reference
     two, one = copy_directory(directory, tmp_path / "two"), copy_directory(directory, tmp_path / "one")
@@ -105,7 +110,9 @@ def test_torn_differential_share_two_ranks_resume_and_train_on(tmp_path, referen
     assert name in err
 
 
-@pytest.mark.parametrize("travel", [8, 12])
+# 12 (the regression: a new base set on an old set's step) by default; 8 (mid-batch, reached by 2 ranks
+# in test_partitioned.py's time travel to every retained step) with -m soak.
+@pytest.mark.parametrize("travel", [pytest.param(8, marks=pytest.mark.soak), 12])
 def test_time_travel_then_train_on_two_ranks(tmp_path, reference, travel):
     """Back to K (mid-batch: 8; a full set's step: 12) with the wrapped optimizer, then on to the end:
     the new timeline is the uninterrupted run's, and resuming it afterwards lands on its end. At 12

@@ -8,12 +8,18 @@ import os
 import shutil
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "integration"))
 from s3_helpers import listing, open_uploads, s3, s3_server  # noqa: E402,F401 (fixtures)
 from test_fsdp2_resume import STEPS, digests, launch, ok  # noqa: E402
 
 
+# With -m soak: each half runs by default, a partitioned bucket resumed at 2 ranks and at 1
+# (test_s3_partitioned.py) and an FSDP2 run drained into a shared tier and resumed from it alone
+# (test_fsdp2_resume.py); the drainer copies a rank's files whatever their layout.
+@pytest.mark.soak
 def test_a_sharded_run_drains_into_a_bucket_and_resumes_from_it_alone(s3, tmp_path):  # noqa: F811
     url = f"s3://{s3.bucket}/fsdp2"
     ok(launch(tmp_path / "local", tmp_path / "run", 2, "--shared", url))

@@ -74,8 +74,11 @@ def resumed_at(lines: list[str]) -> tuple[int, str | None]:
     return 0, None
 
 
-@pytest.mark.parametrize("how", ["random-step", "fault-point"])
-@pytest.mark.parametrize("case", sorted(CASES))
+# Each case and each way of killing once by default; the other two pairings with -m soak.
+@pytest.mark.parametrize("case,how", [("adamw-clipped", "random-step"),
+                                      pytest.param("adamw-clipped", "fault-point", marks=pytest.mark.soak),
+                                      pytest.param("sgd-hooks", "random-step", marks=pytest.mark.soak),
+                                      ("sgd-hooks", "fault-point")])
 def test_replica_sigkill_then_resume_is_exact(tmp_path, rng, capsys, case, how):
     optimizer, extra = CASES[case]
     directory = tmp_path / "ckpt"

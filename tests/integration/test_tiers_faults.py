@@ -105,7 +105,7 @@ def run_trials(tmp_path, seed, reference, trials):
 
 
 def test_sigkill_during_drain_clean_and_commit(tmp_path, rng, reference):
-    run_trials(tmp_path, int(rng.integers(2**31)), reference, trials=4)
+    run_trials(tmp_path, int(rng.integers(2**31)), reference, trials=3)   # one of them on a replaced node (t2)
 
 
 @pytest.mark.soak
