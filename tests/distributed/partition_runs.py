@@ -56,6 +56,20 @@ def digests(path):
     return resumed, out
 
 
+def resumed_exactly(out_prefix, ref, ranks: int = 2, latest: int = 10) -> int:
+    """The step every rank of a resumed run (outputs ``<out_prefix>-<rank>.txt``) resumed at, after
+    checking that they agree, that it is in 1..``latest``, and that each rank's state at that step
+    and at the end equals the uninterrupted run's (``ref[rank]``)."""
+    start = digests(f"{out_prefix}-0.txt")[0]
+    assert 0 < start <= latest, start
+    for rank in range(ranks):
+        got_start, got = digests(f"{out_prefix}-{rank}.txt")
+        assert got_start == start, "ranks resumed at different steps"
+        assert got[start] == ref[rank][start], f"rank {rank}: state at step {start} differs"
+        assert got[STEPS] == ref[rank][STEPS], f"rank {rank}: final state differs"
+    return start
+
+
 def ok(results):
     """The ranks' stderr joined, after checking that every rank exited cleanly."""
     for code, err in results:

@@ -33,18 +33,11 @@ def test_folding_constants_are_the_powers_of_x_they_claim():
     """crc32c_core.c's AVX-512 folds across D bytes multiply each 128-bit lane's low half by
     x^(8D+32) and its high half by x^(8D-32) mod P (reflected, shifted left by one): derived here,
     so a wrong constant fails by name and not only as a wrong checksum on CPUs that run the path."""
+    from test_fastio_crc32 import reflected, x_power_mod  # (this directory is on sys.path under pytest)
     poly = 0x11EDC6F41   # Castagnoli, normal form with the x^32 term
 
-    def x_power_mod(n: int) -> int:
-        r = 1
-        for _ in range(n):
-            r <<= 1
-            if r & (1 << 32):
-                r ^= poly
-        return r
-
     def folded(power: int) -> str:
-        return f"0x{int(f'{x_power_mod(power):032b}'[::-1], 2) << 1:09x}ull"
+        return f"0x{reflected(x_power_mod(power, poly), 32) << 1:09x}ull"
 
     source = (Path(__file__).parents[2] / "fastio" / "crc32c_core.c").read_text()
     for distance in (256, 64, 48, 32, 16):

@@ -14,13 +14,13 @@ from fastio._memops import crc32_backend, crc32_software
 POLY = 0x104C11DB7   # zlib's polynomial, normal form with the x^32 term
 
 
-def x_power_mod(n: int) -> int:
-    """x^n mod POLY."""
+def x_power_mod(n: int, poly: int = POLY) -> int:
+    """x^n mod ``poly`` (a 33-bit polynomial with its x^32 term; test_crc32c.py uses Castagnoli's)."""
     r = 1
     for _ in range(n):
         r <<= 1
         if r & (1 << 32):
-            r ^= POLY
+            r ^= poly
     return r
 
 
