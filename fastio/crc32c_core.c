@@ -94,7 +94,6 @@ static uint32_t hw_raw(uint32_t crc, const unsigned char *p, size_t len)
     return (uint32_t)c;
 }
 
-#define HAVE_VPCLMUL_PATH 1
 #include <immintrin.h>
 #define VPCLMUL_MIN 1024 /* below this the setup costs more than the crc32 instruction's loop */
 
@@ -122,6 +121,22 @@ VPCLMUL_TARGET static inline __m128i fold128(__m128i acc, const uint64_t k[2])
     return _mm_xor_si128(_mm_clmulepi64_si128(acc, kk, 0x00), _mm_clmulepi64_si128(acc, kk, 0x11));
 }
 
+/* The four 128-bit lanes of `a` folded into the last one (48, 32 and 16 bytes before it). */
+VPCLMUL_TARGET static inline __m128i lanes_to_128(__m512i a)
+{
+    __m128i r = _mm512_extracti32x4_epi32(a, 3);
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 0), FOLD_48));
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 1), FOLD_32));
+    return _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 2), FOLD_16));
+}
+
+/* The raw CRC of everything folded into `r`: its 16 bytes through the crc32 instruction from 0. */
+VPCLMUL_TARGET static inline uint32_t finish128(__m128i r)
+{
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    return (uint32_t)_mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
+}
+
 /* Raw register over the whole 16-byte blocks of [p, p + len), len >= 256; returns the register
  * and leaves the < 16 bytes that remain to the caller (*done = bytes consumed). */
 VPCLMUL_TARGET static uint32_t vpclmul_raw(uint32_t crc, const unsigned char *p, size_t len, size_t *done)
@@ -147,17 +162,12 @@ VPCLMUL_TARGET static uint32_t vpclmul_raw(uint32_t crc, const unsigned char *p,
     a = fold512(a, k64, a3);
     for (; len >= 64; p += 64, len -= 64)
         a = fold512(a, k64, _mm512_loadu_si512(p));
-    /* The four lanes into the last one (48, 32 and 16 bytes before it), then 16-byte blocks. */
-    __m128i r = _mm512_extracti32x4_epi32(a, 3);
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 0), FOLD_48));
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 1), FOLD_32));
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 2), FOLD_16));
+    /* The four lanes into one, then 16-byte blocks. */
+    __m128i r = lanes_to_128(a);
     for (; len >= 16; p += 16, len -= 16)
         r = _mm_xor_si128(fold128(r, FOLD_16), _mm_loadu_si128((const __m128i *)p));
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
     *done = (size_t)(p - start);
-    return (uint32_t)c;
+    return finish128(r);
 }
 
 /* vpclmul_raw that also copies: every 64 bytes it loads for the checksum are stored at dst too,
@@ -204,20 +214,15 @@ VPCLMUL_TARGET static uint32_t vpclmul_copy_raw(uint32_t crc, unsigned char *dst
         _mm512_storeu_si512((void *)dst, b0);
         a = fold512(a, k64, b0);
     }
-    __m128i r = _mm512_extracti32x4_epi32(a, 3);
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 0), FOLD_48));
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 1), FOLD_32));
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(a, 2), FOLD_16));
+    __m128i r = lanes_to_128(a);
     for (; len >= 16; p += 16, dst += 16, len -= 16) {
         __m128i block = _mm_loadu_si128((const __m128i *)p);
         _mm_storeu_si128((__m128i *)dst, block);
         r = _mm_xor_si128(fold128(r, FOLD_16), block);
     }
     _mm_sfence();
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
     *done = (size_t)(p - start);
-    return (uint32_t)c;
+    return finish128(r);
 }
 
 static void build_shift_table(uint32_t table[4][256], size_t nbytes)
