@@ -1,0 +1,177 @@
+"""Starting the tests' gloo worker scripts without paying for ``import torch`` in every rank.
+
+``start(args, env)`` runs ``args`` (``[sys.executable, "worker.py", ...]``) and returns an object
+with the parts of ``subprocess.Popen`` the launch helpers use (``pid``, ``returncode``, ``poll``,
+``wait``, ``kill``, ``communicate`` with stderr as text). By default it forks the worker from a
+server process that has imported numpy and torch's distributed modules once: a 2-rank launch then
+costs about a third of what two fresh interpreters cost on this project's 2-core machine (most of a
+launch was the imports). The worker is still a process of its own, run as ``__main__`` with its own
+argv, environment, working directory, sys.path and stderr, ends the way a fresh interpreter ends
+(atexit handlers, non-daemon threads, the exit code of an uncaught exception), and dies of a real
+SIGKILL. The server imports nothing of lowdiff, fastio or recovery: lowdiff reads LOWDIFF_FAULT
+when it is imported, in the worker. ``LOWDIFF_TEST_FORKSERVER=0`` starts fresh interpreters instead.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+_PREIMPORTED = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
+                "torch.distributed.tensor")
+
+
+class Forked:
+    """A worker forked by the server (what ``subprocess.Popen`` offers to the launch helpers)."""
+
+    def __init__(self, server: _Server, pid: int, args: list, stderr_path: str):
+        self._server, self.pid, self.args, self._stderr_path = server, pid, args, stderr_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        self.wait(timeout)
+        with open(self._stderr_path, errors="replace") as f:
+            err = f.read()
+        os.unlink(self._stderr_path)
+        return None, err
+
+
+class _Server:
+    def __init__(self):
+        self._process = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        self._lock = threading.Lock()
+        self._scratch = tempfile.mkdtemp(prefix="lowdiff-forkserver-")
+        self._count = 0
+
+    def _ask(self, request: dict):
+        assert self._process.stdin is not None and self._process.stdout is not None
+        with self._lock:
+            self._process.stdin.write(json.dumps(request) + "\n")
+            self._process.stdin.flush()
+            answer = self._process.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the fork server exited (code {self._process.poll()})")
+        return json.loads(answer)
+
+    def start(self, args: list, env: dict) -> Forked:
+        self._count += 1
+        stderr_path = os.path.join(self._scratch, f"{self._count}.err")
+        pid = self._ask({"op": "start", "argv": list(map(str, args[1:])), "env": env, "cwd": os.getcwd(),
+                         "stderr": stderr_path})
+        return Forked(self, pid, args, stderr_path)
+
+    def status(self, pid: int) -> int | None:
+        return self._ask({"op": "poll", "pid": pid})
+
+    def close(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(30)
+        for name in os.listdir(self._scratch):
+            os.unlink(os.path.join(self._scratch, name))
+        os.rmdir(self._scratch)
+
+
+_server: _Server | None = None
+
+
+def start(args: list, env: dict):
+    """``subprocess.Popen(args, env=env, stdout=DEVNULL, stderr=PIPE, text=True)`` for a worker script."""
+    global _server
+    if os.environ.get("LOWDIFF_TEST_FORKSERVER") == "0" or len(args) < 2 or args[0] != sys.executable \
+            or not str(args[1]).endswith(".py"):
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if _server is None:
+        _server = _Server()
+        atexit.register(_server.close)
+    return _server.start(args, env)
+
+
+# ------------------------------------------------------------------------------------ the server
+def _become(request: dict) -> None:
+    """In the forked child: become ``python argv...`` (as a fresh interpreter would run it) and exit."""
+    import runpy
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(err, 2)
+    os.close(null)
+    os.close(err)
+    script = os.path.abspath(request["argv"][0])
+    # sys.path as `python script.py` builds it: the script's folder, PYTHONPATH, then the rest.
+    ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(script), *ours, *_BASE_PATH]
+    sys.argv[:] = [script, *request["argv"][1:]]
+    runpy.run_path(script, run_name="__main__")
+    # An uncaught exception or SystemExit leaves from here to the interpreter's own exit (traceback,
+    # threads joined, atexit handlers, exit code), as it would in a fresh interpreter.
+    sys.exit(0)
+
+
+def _serve() -> None:
+    finished: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "start":
+            pid = os.fork()
+            if pid == 0:
+                _become(request)
+            answer = pid
+        else:
+            pid = request["pid"]
+            if pid not in finished:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    finished[pid] = os.waitstatus_to_exitcode(status)
+            answer = finished.get(pid)
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _BASE_PATH = [p for p in sys.path[1:]
+                  if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    import importlib
+
+    for _name in _PREIMPORTED:
+        importlib.import_module(_name)
+    _serve()
