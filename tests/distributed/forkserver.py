@@ -14,6 +14,7 @@ when it is imported, in the worker. ``LOWDIFF_TEST_FORKSERVER=0`` starts fresh i
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import signal
@@ -23,14 +24,16 @@ import tempfile
 import threading
 import time
 
+# Read no environment variable of the tests' when imported (lowdiff does: LOWDIFF_FAULT); boto3 only
+# where installed (the s3 extra).
 _PREIMPORTED = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
-                "torch.distributed.tensor")
+                "torch.distributed.tensor", "boto3")
 
 
 class Forked:
     """A worker forked by the server (what ``subprocess.Popen`` offers to the launch helpers)."""
 
-    def __init__(self, server: _Server, pid: int, args: list, stderr_path: str):
+    def __init__(self, server: _Server, pid: int, args: list, stderr_path: str | None):
         self._server, self.pid, self.args, self._stderr_path = server, pid, args, stderr_path
         self.returncode: int | None = None
 
@@ -61,11 +64,15 @@ class Forked:
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
-    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+    def communicate(self, timeout: float | None = None) -> tuple[None, str | None]:
+        """(None, stderr): stderr as text where start() was given no file for it."""
         self.wait(timeout)
+        if self._stderr_path is None:
+            return None, None
         with open(self._stderr_path, errors="replace") as f:
             err = f.read()
         os.unlink(self._stderr_path)
+        self._stderr_path = None
         return None, err
 
 
@@ -87,12 +94,12 @@ class _Server:
             raise RuntimeError(f"the fork server exited (code {self._process.poll()})")
         return json.loads(answer)
 
-    def start(self, args: list, env: dict) -> Forked:
+    def start(self, args: list, env: dict, stdout: str | None, stderr: str | None, cwd: str | None) -> Forked:
         self._count += 1
-        stderr_path = os.path.join(self._scratch, f"{self._count}.err")
-        pid = self._ask({"op": "start", "argv": list(map(str, args[1:])), "env": env, "cwd": os.getcwd(),
-                         "stderr": stderr_path})
-        return Forked(self, pid, args, stderr_path)
+        captured = os.path.join(self._scratch, f"{self._count}.err") if stderr is None else None
+        pid = self._ask({"op": "start", "argv": list(map(str, args[1:])), "env": env, "cwd": cwd or os.getcwd(),
+                         "stdout": stdout or os.devnull, "stderr": stderr or captured})
+        return Forked(self, pid, args, captured)
 
     def status(self, pid: int) -> int | None:
         return self._ask({"op": "poll", "pid": pid})
@@ -101,6 +108,7 @@ class _Server:
         assert self._process.stdin is not None
         self._process.stdin.close()
         self._process.wait(30)
+        self._process.stdout.close()
         for name in os.listdir(self._scratch):
             os.unlink(os.path.join(self._scratch, name))
         os.rmdir(self._scratch)
@@ -109,16 +117,28 @@ class _Server:
 _server: _Server | None = None
 
 
-def start(args: list, env: dict):
-    """``subprocess.Popen(args, env=env, stdout=DEVNULL, stderr=PIPE, text=True)`` for a worker script."""
+def start(args: list, env: dict | None = None, *, stdout: str | None = None, stderr: str | None = None,
+          cwd: str | None = None):
+    """``subprocess.Popen(args, env=env, cwd=cwd, ...)`` for ``[sys.executable, "script.py", ...]`` or
+    ``[sys.executable, "-m", "module", ...]``, its stdout into the file ``stdout`` (None: discarded)
+    and its stderr into the file ``stderr`` (None: ``communicate()`` returns it as text)."""
     global _server
-    if os.environ.get("LOWDIFF_TEST_FORKSERVER") == "0" or len(args) < 2 or args[0] != sys.executable \
-            or not str(args[1]).endswith(".py"):
-        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    env = dict(os.environ) if env is None else env
+    runnable = len(args) >= 2 and args[0] == sys.executable and (str(args[1]).endswith(".py") or
+                                                                  (args[1] == "-m" and len(args) >= 3))
+    if os.environ.get("LOWDIFF_TEST_FORKSERVER") == "0" or not runnable:
+        out = open(stdout, "w") if stdout else subprocess.DEVNULL
+        err = open(stderr, "w") if stderr else subprocess.PIPE
+        try:
+            return subprocess.Popen(args, stdout=out, stderr=err, text=True, env=env, cwd=cwd)
+        finally:
+            for f in (out, err):
+                if not isinstance(f, int):
+                    f.close()
     if _server is None:
         _server = _Server()
         atexit.register(_server.close)
-    return _server.start(args, env)
+    return _server.start(args, env, stdout, stderr, cwd)
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -129,19 +149,32 @@ def _become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(err, 2)
-    os.close(null)
-    os.close(err)
-    script = os.path.abspath(request["argv"][0])
-    # sys.path as `python script.py` builds it: the script's folder, PYTHONPATH, then the rest.
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    # The standard streams as a fresh interpreter opens them on these files (PYTHONUNBUFFERED: a
+    # trainer killed by SIGKILL leaves the lines it wrote; stderr line by line in any case).
+    write_through = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if write_through else -1, closefd=False),
+                                  write_through=write_through)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), line_buffering=True,
+                                  errors="backslashreplace")
+    argv = request["argv"]
+    # sys.path as `python script.py` (the script's folder) or `python -m module` (the working
+    # directory) builds it, then PYTHONPATH, then the rest.
     ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(script), *ours, *_BASE_PATH]
-    sys.argv[:] = [script, *request["argv"][1:]]
-    runpy.run_path(script, run_name="__main__")
+    if argv[0] == "-m":
+        sys.path[:] = [os.getcwd(), *ours, *_BASE_PATH]
+        sys.argv[:] = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.path[:] = [os.path.dirname(script), *ours, *_BASE_PATH]
+        sys.argv[:] = [script, *argv[1:]]
+        runpy.run_path(script, run_name="__main__")
     # An uncaught exception or SystemExit leaves from here to the interpreter's own exit (traceback,
     # threads joined, atexit handlers, exit code), as it would in a fresh interpreter.
     sys.exit(0)
@@ -173,5 +206,8 @@ if __name__ == "__main__":
     import importlib
 
     for _name in _PREIMPORTED:
-        importlib.import_module(_name)
+        try:
+            importlib.import_module(_name)
+        except ImportError:
+            pass
     _serve()
