@@ -55,11 +55,10 @@ class Forked:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+        # The server signals it only while it has not reaped it: the pid cannot belong to another
+        # process yet (pids are reused: pid_max is 32768 here).
+        if self.returncode is None:
+            self._server.signal(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -106,6 +105,9 @@ class _Server:
 
     def status(self, pid: int) -> int | None:
         return self._ask({"op": "poll", "pid": pid})
+
+    def signal(self, pid: int, sig: int) -> None:
+        self._ask({"op": "signal", "pid": pid, "sig": sig})
 
     def close(self) -> None:
         assert self._process.stdin is not None
@@ -184,21 +186,27 @@ def _become(request: dict) -> None:
 
 
 def _serve() -> None:
-    finished: dict = {}
+    # The children not reaped yet. A pid is asked about until its exit code is answered once (the
+    # client keeps it), then reaped: a later child may get the same pid.
+    running: set = set()
     for line in sys.stdin:
         request = json.loads(line)
+        answer = None
         if request["op"] == "start":
             pid = os.fork()
             if pid == 0:
                 _become(request)
+            running.add(pid)
             answer = pid
+        elif request["pid"] not in running:
+            raise RuntimeError(f"asked about {request}, not a running child")
+        elif request["op"] == "signal":
+            os.kill(request["pid"], request["sig"])     # not reaped: still ours, if only a zombie
         else:
-            pid = request["pid"]
-            if pid not in finished:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    finished[pid] = os.waitstatus_to_exitcode(status)
-            answer = finished.get(pid)
+            done, status = os.waitpid(request["pid"], os.WNOHANG)
+            if done:
+                running.discard(done)
+                answer = os.waitstatus_to_exitcode(status)
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 
