@@ -150,21 +150,20 @@ def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
     if all(g.sorted for g in sparse):
         return indices.numpy(), values
     counts = [g.indices.numel() for g in sparse]
-    starts = torch.tensor([0] + [g.numel for g in sparse[:-1]], dtype=torch.int64).cumsum(0)
-    offsets = torch.repeat_interleave(starts, torch.tensor(counts))
-    keys = indices + offsets
+    offsets = np.repeat(np.cumsum([0] + [g.numel for g in sparse[:-1]], dtype=np.int64), counts)
+    keys = indices.numpy() + offsets
     if sum(g.numel for g in sparse) <= _I32_MAX:
-        keys, order = _sorted_small_keys(keys.numpy())
+        sorted_keys, order = _sorted_small_keys(keys)
     else:
-        keys, order = torch.sort(keys)
+        sorted_keys, order = torch.sort(torch.from_numpy(keys))
     if all(v.dtype == values[0].dtype for v in values):
-        values = list(torch.split(_on_cpu(values)[order], counts))  # one gather for every tensor
+        values = list(torch.split(_on_cpu(values).index_select(0, order), counts))  # one gather for all
     else:  # the order stays within each tensor's segment: gather tensor by tensor
         first = 0
         for i, (part, count) in enumerate(zip(torch.split(order, counts), counts)):
             values[i] = values[i].cpu()[part - first]
             first += count
-    return (keys.to(torch.int64) - offsets).numpy(), values
+    return sorted_keys.numpy() - offsets, values
 
 
 def _sorted_small_keys(keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
