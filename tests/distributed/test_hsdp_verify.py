@@ -1,0 +1,160 @@
+"""``verify`` of an HSDP directory checks what each share names in `elsewhere` (docs/format.md, "2-D
+meshes"): a share whose chunks another rank of its replicate group wrote is usable only if that share
+is there, verifies, and holds those chunks (key, chunk entry, dtype) — for full-checkpoint shares
+and differential shares alike. A missing or damaged holder, or one that does not hold the chunk, is a
+"HOLDER" problem of the share that names it, naming both files, and the set (or the chain) is not
+counted recoverable past it. Before, verify checked each file alone and called such a directory
+sound. Resume falls back from a set whose holder does not hold the chunk, to the older set, exactly.
+
+One uninterrupted 4-rank HSDP run (a (2, 2) mesh, TopK, AdamW, 8 steps: full sets at 4 and 8,
+differential shares of two steps); each test changes a copy of its directory."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lowdiff.format import container
+from recovery.partitioned.verify import verify_partitioned
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_fsdp2_hsdp import HSDP, launch  # noqa: E402
+from test_fsdp2_resume import copied, digests, ok  # noqa: E402
+
+pytestmark = pytest.mark.four_ranks
+
+
+@pytest.fixture(scope="module")
+def hsdp_dir(tmp_path_factory):
+    """(the uninterrupted run's digests by rank, its directory)."""
+    base = tmp_path_factory.mktemp("hsdp-verify")
+    ok(launch(base / "ckpt", base / "ref", 4, *HSDP))
+    return [digests(base / f"ref-{rank}.txt")[1] for rank in range(4)], base / "ckpt"
+
+
+def _newest(directory, rank: int, prefix: str) -> str:
+    return sorted(n for n in os.listdir(directory / f"rank-{rank:05d}") if n.startswith(prefix))[-1]
+
+
+def _index(path) -> tuple:
+    """(the index as JSON, its offset) of a lowdiff file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    offset, length, _, _, _, _ = container.TRAILER.unpack(data[-container.TRAILER.size:])
+    return json.loads(data[offset:offset + length]), offset
+
+
+def _rewrite_index(path, change) -> None:
+    """Rewrite the index of the file at ``path`` as ``change(index)`` makes it, keeping its length
+    (so the manifest's size still holds) and a valid checksum: a file that verifies alone."""
+    index, offset = _index(path)
+    old = container.encode_index(index)
+    change(index)
+    new = container.encode_index(index)
+    assert len(new) == len(old) and new != old
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(new + container.trailer_bytes(offset, new, container.file_kind(str(path))))
+
+
+def _bump_offset(entry: dict) -> None:
+    """A chunk entry of rank 0 (its chunks start at 0) moved by one row: still a valid entry."""
+    assert entry["offsets"][0] == 0
+    entry["offsets"][0] = 1
+
+
+def _problems(directory) -> dict:
+    report = verify_partitioned(directory)
+    return {os.path.relpath(p.file, directory): p for p in report.problems}, report
+
+
+def test_an_intact_hsdp_directory_verifies_clean(hsdp_dir):
+    _, directory = hsdp_dir
+    problems, report = _problems(directory)
+    assert not problems and report.ok
+    assert [step for step, _, _ in report.recoverable] == [0, 4, 8] and report.newest_recoverable == 8
+    assert _index(directory / "rank-00002" / _newest(directory, 2, "full-"))[0]["elsewhere"]   # HSDP indeed
+
+
+def test_a_missing_holder_full_share_is_named_by_the_share_that_needs_it(tmp_path, hsdp_dir):
+    directory = copied(hsdp_dir[1], tmp_path / "run")
+    name = _newest(directory, 0, "full-")
+    os.remove(directory / "rank-00000" / name)
+    problems, report = _problems(directory)
+    holder, dependent = f"rank-00000/{name}", f"rank-00002/{name}"
+    assert problems[holder].label == "MISSING"
+    assert problems[dependent].label == "HOLDER"
+    why = problems[dependent].why
+    assert f"share 0 ({directory / holder}), which is missing, holds its chunk" in why, why
+    assert 8 not in [step for step, _, _ in report.recoverable] and not report.ok
+    # the command line prints it, naming both files, and fails
+    result = subprocess.run([sys.executable, "-m", "lowdiff", "verify", str(directory)], capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 1
+    line = next(line for line in result.stdout.splitlines() if line.startswith("HOLDER"))
+    assert str(directory / dependent) in line and str(directory / holder) in line, result.stdout
+
+
+def test_a_holder_full_share_without_the_named_chunk_is_found_and_resume_falls_back(tmp_path, hsdp_dir):
+    """Share 0 verifies alone, but its chunk entry of a key share 2 names it for says another place
+    (offsets): share 2's file is unusable, the set of step 8 not recoverable; resume falls back to
+    the set of step 4 (with a warning naming share 0) and replays to step 8, exactly."""
+    reference, directory = hsdp_dir[0], copied(hsdp_dir[1], tmp_path / "run")
+    name = _newest(directory, 0, "full-")
+    dependent, _ = _index(directory / "rank-00002" / name)
+    key = sorted(k for k, where in dependent["elsewhere"].items() if where["share"] == 0)[0]
+    _rewrite_index(directory / "rank-00000" / name, lambda index: _bump_offset(index["dtensors"][key]))
+    problems, report = _problems(directory)
+    assert list(problems) == [f"rank-00002/{name}"] and problems[f"rank-00002/{name}"].label == "HOLDER"
+    why = problems[f"rank-00002/{name}"].why
+    assert f"share 0 ({directory / 'rank-00000' / name}) is named for chunks it does not hold" in why, why
+    assert f"the chunk of {key!r} with offsets [1, " in why and "(named with [0, " in why, why
+    assert [step for step, _, _ in report.recoverable] == [0, 4] and report.newest_recoverable == 8
+    err = ok(launch(directory, tmp_path / "res", 4, *HSDP))
+    assert "share 0 of the full checkpoint of step 8" in err and "falling back" in err, err
+    for rank in range(4):
+        step, got = digests(tmp_path / f"res-{rank}.txt")
+        assert step == 8 and got[8] == reference[rank][8], rank   # from step 4's set, replayed to 8
+
+
+def _dependent_diff(directory) -> tuple:
+    """(rank 2's newest differential share's name, its index, a slot it names share 0 for, rank 0's
+    differential share of the same steps)."""
+    name = _newest(directory, 2, "diff-")
+    index, _ = _index(directory / "rank-00002" / name)
+    slot = sorted(s for s, share in index["elsewhere"] if share == 0)[0]
+    steps = (index["first"], index["last"])
+    holder = next(n for n in os.listdir(directory / "rank-00000") if n.startswith("diff-")
+                  and tuple(_index(directory / "rank-00000" / n)[0][k] for k in ("first", "last")) == steps)
+    return name, index, slot, holder
+
+
+def test_a_holder_differential_share_without_the_named_chunk_ends_the_chain(tmp_path, hsdp_dir):
+    directory = copied(hsdp_dir[1], tmp_path / "run")
+    name, index, slot, holder = _dependent_diff(directory)
+
+    def move(held):
+        (entry,) = [e for s, e in held["dtensors"] if s == slot]
+        _bump_offset(entry)
+    _rewrite_index(directory / "rank-00000" / holder, move)
+    problems, report = _problems(directory)
+    assert list(problems) == [f"rank-00002/{name}"] and problems[f"rank-00002/{name}"].label == "HOLDER"
+    why = problems[f"rank-00002/{name}"].why
+    assert f"share 0 ({directory / 'rank-00000' / holder}) is named for chunks it does not hold" in why, why
+    assert f"the gradient chunk of parameter {slot} with offsets [1" in why, why
+    # the chain of step 4's set ends before rank 2's file (steps index["first"]..)
+    assert dict((step, last) for step, _, last in report.recoverable)[4] == index["first"] - 1
+    assert not report.ok
+
+
+def test_a_missing_holder_differential_share_is_named(tmp_path, hsdp_dir):
+    directory = copied(hsdp_dir[1], tmp_path / "run")
+    name, index, _, holder = _dependent_diff(directory)
+    os.remove(directory / "rank-00000" / holder)
+    problems, report = _problems(directory)
+    assert problems[f"rank-00000/{holder}"].label == "MISSING"
+    why = problems[f"rank-00002/{name}"].why
+    assert problems[f"rank-00002/{name}"].label == "HOLDER"
+    assert f"share 0 ({directory / 'rank-00000' / holder}), which is missing, holds its gradient chunk" in why, why
+    assert dict((step, last) for step, _, last in report.recoverable)[4] == index["first"] - 1
