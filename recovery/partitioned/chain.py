@@ -95,10 +95,10 @@ def _check_holders(firsts: list) -> None:
             held_path, held = firsts[holder] if holder < len(firsts) else (None, None)
             if held is None:
                 continue   # that share holds no file: nothing is replayed (MergedShares._owners)
-            if slot not in held.slots or held.dtensors.get(slot) != index.dtensors.get(slot):
-                raise CorruptCheckpointError(str(held_path), f"share {holder} does not record the gradient chunk "
-                                                             f"of parameter {slot} that share {share} ({path}) "
-                                                             f"names it for")
+            lacking = dtensors.lacks_gradient_chunk(index, held, slot)
+            if lacking:
+                raise CorruptCheckpointError(str(held_path), f"share {holder} is named by share {share} ({path}) "
+                                                             f"for chunks it does not hold: it has {lacking}")
 
 
 class MergedShares:

@@ -77,6 +77,16 @@ def _read_indexes(fset: FullSet, problems: dict, files: LocalFiles = LOCAL, read
         if (index.step, index.session, index.run, index.count, index.layout) != \
                 (fset.step, fset.session, first.run, fset.count, first.layout):
             problems[i] = f"{fset.files[i]} is not a share of the same set as {fset.files[0]}"
+    # HSDP ("2-D meshes"): each chunk a share names another share for is that share's, by their
+    # indexes (every rank has them all, so every rank finds the same). Else a rank would take, or a
+    # resharding cut, the chunk from one that is not it.
+    for i, index in indexes.items():
+        for key, where in sorted(index.elsewhere.items()):
+            holder = indexes.get(where["share"])
+            lacking = dtensors.lacks_chunk(index, holder, key) if holder is not None else None
+            if lacking and where["share"] not in problems:
+                problems[where["share"]] = f"{fset.files[where['share']]} is named by share {i} ({fset.files[i]}) " \
+                                           f"for chunks it does not hold: it has {lacking}"
     return indexes
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 import fastio
+from lowdiff.distributed import dtensors
 from lowdiff.distributed.partition import rank_directory, read_views
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format.records import decode_record
@@ -185,12 +186,12 @@ def holder_problems(found: dict) -> dict:
         if isinstance(entry, FullEntry):
             pairs = [(key, where["share"], fulls.get((where["share"], entry.step, entry.session)))
                      for key, where in own.elsewhere.items()]
-            _judge(out, found, name, own, [pair for pair in pairs if pair[2] is not None], _full_lacks)
+            _judge(out, found, name, own, [pair for pair in pairs if pair[2] is not None], dtensors.lacks_chunk)
         else:
             holders = {j: _overlapping(spans.get((j, entry.session), ([], [])), entry.first, entry.last)
                        for j in set(own.elsewhere.values())}
             _judge(out, found, name, own, [(slot, j, holder) for slot, j in own.elsewhere.items()
-                                           for holder in holders[j]], _diff_lacks)
+                                           for holder in holders[j]], dtensors.lacks_gradient_chunk)
     return out
 
 
@@ -251,30 +252,3 @@ def _chunks(keys: list) -> str:
         (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     many = "s" * (len(keys) > 1)
     return f"chunk{many} of {shown}" if isinstance(keys[0], str) else f"gradient chunk{many} of parameter{many} {shown}"
-
-
-def _full_lacks(own, holder, key: str) -> str | None:
-    """Why full share ``holder`` does not hold the chunk of ``key`` that ``own`` names it for (None: it does)."""
-    if key not in holder.dtensors or key in holder.elsewhere:
-        return f"no chunk of {key!r}" + (" (it names another share for it)" if key in holder.elsewhere else "")
-    differ = _entry_difference(holder.dtensors[key], own.dtensors[key])
-    if differ:
-        return f"the chunk of {key!r} with {differ}"
-    dtype = next(t.dtype for t in holder.tensors if t.key == key)
-    want = own.elsewhere[key]["dtype"]
-    return f"the chunk of {key!r} in {dtype}, not {want}" if dtype != want else None
-
-
-def _diff_lacks(own, holder, slot: int) -> str | None:
-    """Why differential share ``holder`` does not record the gradient chunk of parameter ``slot``
-    that ``own`` names it for (None: it does)."""
-    if slot not in holder.slots or slot not in holder.dtensors:
-        return f"no gradient chunk of parameter {slot}"
-    differ = _entry_difference(holder.dtensors[slot], own.dtensors[slot])
-    return f"the gradient chunk of parameter {slot} with {differ}" if differ else None
-
-
-def _entry_difference(theirs: dict, mine: dict) -> str:
-    """The fields in which two chunk entries differ, in words ("" if equal)."""
-    return ", ".join(f"{field} {theirs.get(field)} (named with {mine.get(field)})"
-                     for field in sorted(set(theirs) | set(mine)) if theirs.get(field) != mine.get(field))

@@ -4,7 +4,9 @@ is there, verifies, and holds those chunks (key, chunk entry, dtype) — for ful
 and differential shares alike. A missing or damaged holder, or one that does not hold the chunk, is a
 "HOLDER" problem of the share that names it, naming both files, and the set (or the chain) is not
 counted recoverable past it. Before, verify checked each file alone and called such a directory
-sound. Resume falls back from a set whose holder does not hold the chunk, to the older set, exactly.
+sound. Resume makes the same checks: from a full set whose holder does not hold the chunk it falls
+back to the older set, at the same mesh and resharded (before, the resharded state was silently
+wrong); a differential chain is not replayed past such a file (before, silently wrong too).
 
 One uninterrupted 4-rank HSDP run (a (2, 2) mesh, TopK, AdamW, 8 steps: full sets at 4 and 8,
 differential shares of two steps); each test changes a copy of its directory."""
@@ -27,10 +29,11 @@ pytestmark = pytest.mark.four_ranks
 
 @pytest.fixture(scope="module")
 def hsdp_dir(tmp_path_factory):
-    """(the uninterrupted run's digests by rank, its directory)."""
+    """(the uninterrupted run's digests by rank, its directory, rank 0's gathered digests)."""
     base = tmp_path_factory.mktemp("hsdp-verify")
     ok(launch(base / "ckpt", base / "ref", 4, *HSDP))
-    return [digests(base / f"ref-{rank}.txt")[1] for rank in range(4)], base / "ckpt"
+    return [digests(base / f"ref-{rank}.txt")[1] for rank in range(4)], base / "ckpt", \
+        digests(base / "ref-0.txt", column=-2)[1]
 
 
 def _newest(directory, rank: int, prefix: str) -> str:
@@ -70,7 +73,7 @@ def _problems(directory) -> dict:
 
 
 def test_an_intact_hsdp_directory_verifies_clean(hsdp_dir):
-    _, directory = hsdp_dir
+    directory = hsdp_dir[1]
     problems, report = _problems(directory)
     assert not problems and report.ok
     # (step 0's set may be retired already on some ranks: retention runs on each rank by itself)
@@ -97,15 +100,39 @@ def test_a_missing_holder_full_share_is_named_by_the_share_that_needs_it(tmp_pat
     assert str(directory / dependent) in line and str(directory / holder) in line, result.stdout
 
 
+def _move_held_chunk(directory) -> tuple:
+    """Rank 0's newest full share says its chunk of a key rank 2 names it for is one row further:
+    (the share's name, the key)."""
+    name = _newest(directory, 0, "full-")
+    dependent, _ = _index(directory / "rank-00002" / name)
+    key = sorted(k for k, where in dependent["elsewhere"].items() if where["share"] == 0)[0]
+    _rewrite_index(directory / "rank-00000" / name, lambda index: _bump_offset(index["dtensors"][key]))
+    return name, key
+
+
+def test_resharding_falls_back_from_a_holder_without_the_named_chunk(tmp_path, hsdp_dir):
+    """The same set resumed at 2 ranks (FSDP2 on a 1-D mesh): each new chunk is cut from the shares
+    that hold the recorded ones. Before, share 0's chunk was cut in at the place its entry says, and
+    the resumed state was wrong (gathered), with no warning; now every rank falls back to step 4's set
+    (the warning names both files) and replays to step 8: gathered, the uninterrupted run's state."""
+    directory = copied(hsdp_dir[1], tmp_path / "run")
+    name, key = _move_held_chunk(directory)
+    extra = [a for a in HSDP if a != "--hsdp"]
+    err = ok(launch(directory, tmp_path / "at2", 2, "--resume-only", *extra))
+    assert f"{directory / 'rank-00000' / name} is named by share 2 ({directory / 'rank-00002' / name})" in err, err
+    assert "falling back" in err, err
+    gathered = hsdp_dir[2]
+    for rank in range(2):
+        step, got = digests(tmp_path / f"at2-{rank}.txt", column=-2)
+        assert step == 8 and got[8] == gathered[8], rank
+
+
 def test_a_holder_full_share_without_the_named_chunk_is_found_and_resume_falls_back(tmp_path, hsdp_dir):
     """Share 0 verifies alone, but its chunk entry of a key share 2 names it for says another place
     (offsets): share 2's file is unusable, the set of step 8 not recoverable; resume falls back to
     the set of step 4 (with a warning naming share 0) and replays to step 8, exactly."""
     reference, directory = hsdp_dir[0], copied(hsdp_dir[1], tmp_path / "run")
-    name = _newest(directory, 0, "full-")
-    dependent, _ = _index(directory / "rank-00002" / name)
-    key = sorted(k for k, where in dependent["elsewhere"].items() if where["share"] == 0)[0]
-    _rewrite_index(directory / "rank-00000" / name, lambda index: _bump_offset(index["dtensors"][key]))
+    name, key = _move_held_chunk(directory)
     problems, report = _problems(directory)
     assert list(problems) == [f"rank-00002/{name}"] and problems[f"rank-00002/{name}"].label == "HOLDER"
     why = problems[f"rank-00002/{name}"].why
