@@ -163,7 +163,8 @@ def main():
     p.add_argument("--hsdp", action="store_true", help="HSDP: fully_shard on a (2, world / 2) mesh")
     p.add_argument("--mp", choices=sorted(POLICIES), help="fully_shard(..., mp_policy=POLICIES[this])")
     p.add_argument("--sharded-scaler", action="store_true",
-                   help="ShardedGradScaler as wrap(grad_scaler=...); rank 0's gradient chunk made inf at step 6")
+                   help="ShardedGradScaler as wrap(grad_scaler=...) (scaler.unscale_ before odd steps); "
+                        "rank 0's gradient chunk made inf at step 6")
     p.add_argument("--shared", help="a shared tier (lowdiff.Tiers) the rank directories drain into")
     p.add_argument("--keep-last", type=int, help="retention=lowdiff.KeepLast(this)")
     p.add_argument("--stripe-dirs", type=lambda s: tuple(s.split(",")), default=(),
@@ -203,6 +204,8 @@ def main():
             if scaler is not None:
                 if step + 1 == 6 and args.rank == 0:   # an overflow that lands in rank 0's chunk only
                     model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+                if (step + 1) % 2:   # odd steps: unscaled first, as a loop that clips gradients does
+                    scaler.unscale_(opt)
                 scaler.step(opt)
                 scaler.update()
             else:

@@ -1,14 +1,12 @@
 """FSDP2's fp16 recipe with ``ShardedGradScaler`` as ``wrap(grad_scaler=...)`` (issue #31): 2 gloo
 ranks, ``MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)``, the loss
-scaled. At step 6 rank 0's gradient chunk holds an inf (as an fp16 overflow that lands in one rank's
-chunk after the reduce-scatter): the scaler skips the step on every rank and backs the scale off.
-lowdiff records the step as skipped in both ranks' differential shares, with the scaler's state, and
-after a SIGKILL of every rank after step 7 the job resumes each rank's state (the scaler's scale and
-growth tracker among it) byte for byte as the uninterrupted run had it, and trains on identically.
-
-On CPU with gloo, torch 2.13: the scaler's inf check of the DTensor gradients (through the
-optimizer's ``found_inf``, lowdiff's wrapper steps with amp scaling) agrees on every rank, as
-``scaler.unscale_`` does by an all-reduce; lowdiff unscales the chunks before recording them."""
+scaled; ``scaler.unscale_(opt)`` is called before odd steps (as a loop that clips gradients does),
+not before even ones. At step 6 rank 0's gradient chunk holds an inf (as an fp16 overflow that lands
+in one rank's chunk after the reduce-scatter): the step is skipped on every rank (checked: the
+gathered state does not move) and the scale backs off. lowdiff records the step as skipped in both
+ranks' differential shares, with the scaler's state, and after a SIGKILL of every rank after step 7
+the job resumes each rank's state (the scaler's scale and growth tracker among it) byte for byte as
+the uninterrupted run had it, and trains on identically. Runs on CPU with gloo in torch 2.13."""
 import os
 import sys
 
