@@ -243,7 +243,8 @@ def _judge(out: dict, found: dict, name: str, own, pairs: list, lacks) -> None:
     whys += [f"share {share} ({path}) is named for chunks it does not hold: it has {'; '.join(what[:3])}"
              + (f" (and {len(what) - 3} more)" if len(what) > 3 else "") for (share, path), what in lacking.items()]
     if whys:
-        out[name] = ("; ".join(whys) + " (one copy of each chunk: the set is not usable without it)", bool(lacking))
+        out[name] = ("; ".join(whys) + " (HSDP writes each chunk once: this file is of no use without it)",
+                     bool(lacking))
 
 
 def _chunks(keys: list) -> str:
