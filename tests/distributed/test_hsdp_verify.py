@@ -100,6 +100,28 @@ def test_a_missing_holder_full_share_is_named_by_the_share_that_needs_it(tmp_pat
     assert str(directory / dependent) in line and str(directory / holder) in line, result.stdout
 
 
+def test_a_damaged_holder_full_share_is_named_by_the_share_that_needs_it(tmp_path, hsdp_dir):
+    """A byte of a chunk rank 0 holds for rank 2 flipped: rank 0's share is CORRUPT, and rank 2's is
+    a HOLDER problem naming it (its own bytes verify; without rank 0's it is of no use)."""
+    directory = copied(hsdp_dir[1], tmp_path / "run")
+    name = _newest(directory, 0, "full-")
+    dependent, _ = _index(directory / "rank-00002" / name)
+    key = sorted(k for k, where in dependent["elsewhere"].items() if where["share"] == 0)[0]
+    holder, _ = _index(directory / "rank-00000" / name)
+    (entry,) = [t for t in holder["tensors"] if t["key"] == key]
+    with open(directory / "rank-00000" / name, "r+b") as f:
+        f.seek(entry["offset"] + 3)
+        byte = f.read(1)
+        f.seek(entry["offset"] + 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    problems, report = _problems(directory)
+    assert problems[f"rank-00000/{name}"].label == "CORRUPT"
+    assert problems[f"rank-00002/{name}"].label == "HOLDER"
+    why = problems[f"rank-00002/{name}"].why
+    assert f"share 0 ({directory / 'rank-00000' / name}), which does not verify, holds its chunk" in why, why
+    assert repr(key) in why and 8 not in [step for step, _, _ in report.recoverable]
+
+
 def _move_held_chunk(directory) -> tuple:
     """Rank 0's newest full share says its chunk of a key rank 2 names it for is one row further:
     (the share's name, the key)."""
