@@ -130,6 +130,35 @@ def assign_holders(items: list) -> dict:
     return out
 
 
+def lacks_chunk(own, holder, key: str) -> str | None:
+    """Why full-checkpoint share ``holder`` (its index) does not hold the chunk of ``key`` that share
+    ``own`` names it for in ``elsewhere`` ("2-D meshes": the same chunk entry, in its own tensors,
+    of the dtype named), or None: it does. Readers and ``verify`` ask it of the indexes alone."""
+    if key not in holder.dtensors or key in holder.elsewhere:
+        return f"no chunk of {key!r}" + (" (it names another share for it)" if key in holder.elsewhere else "")
+    differ = entry_difference(holder.dtensors[key], own.dtensors[key])
+    if differ:
+        return f"the chunk of {key!r} with {differ}"
+    dtype = next((t.dtype for t in holder.tensors if t.key == key), None)
+    want = own.elsewhere[key]["dtype"]
+    return f"the chunk of {key!r} in {dtype}, not {want}" if dtype != want else None
+
+
+def lacks_gradient_chunk(own, holder, slot: int) -> str | None:
+    """Why differential share ``holder`` (its index) does not record the gradient chunk of parameter
+    ``slot`` that share ``own`` names it for in ``elsewhere`` (None: it does)."""
+    if slot not in holder.slots or slot not in holder.dtensors:
+        return f"no gradient chunk of parameter {slot}"
+    differ = entry_difference(holder.dtensors[slot], own.dtensors[slot])
+    return f"the gradient chunk of parameter {slot} with {differ}" if differ else None
+
+
+def entry_difference(theirs: dict, mine: dict) -> str:
+    """The fields in which two chunk entries differ, in words ("" if equal)."""
+    return ", ".join(f"{field} {theirs.get(field)} (named with {mine.get(field)})"
+                     for field in sorted(set(theirs) | set(mine)) if theirs.get(field) != mine.get(field))
+
+
 def meshes_of(tensors) -> dict:
     """{(mesh shape, dim names): mesh} of the DTensors among ``tensors``."""
     out: dict = {}
