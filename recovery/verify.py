@@ -23,7 +23,7 @@ from recovery.pipeline.replay import check_workers, verify_workers
 @dataclasses.dataclass(frozen=True)
 class Problem:
     file: str          # the file's path
-    label: str         # CORRUPT, VERSION, MISSING, FOREIGN
+    label: str         # CORRUPT, VERSION, MISSING, FOREIGN, HOLDER (HSDP: recovery.partitioned.verify)
     why: str
 
 

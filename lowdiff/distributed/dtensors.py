@@ -15,15 +15,19 @@ import torch
 
 from lowdiff.errors import IncompatibleCheckpointError
 
+_DTENSOR: list = []   # torch.distributed.tensor.DTensor, once a tensor named so was seen
+
 
 def is_dtensor(tensor: object) -> bool:
     # By class name first: called for every gradient of every step, it must not import
     # torch.distributed.tensor (or pay for an import statement) when nothing is sharded.
     if type(tensor).__name__ != "DTensor" or not torch.distributed.is_available():
         return False
-    from torch.distributed.tensor import DTensor
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
 
-    return isinstance(tensor, DTensor)
+        _DTENSOR.append(DTensor)
+    return isinstance(tensor, _DTENSOR[0])
 
 
 def local_chunk(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,8 +52,34 @@ def _placement(name: str):
     return Replicate() if name == "R" else Shard(int(name[1:]))
 
 
+# What chunk_entry and replica_group say of a DTensor depends only on its spec (mesh, placements,
+# global shape) and its local chunk's shape, and a full checkpoint asks for every DTensor of the
+# state on the training thread (about 15 us each, 2 ms at the quick model's 160): kept by spec.
+# {id(spec): (spec, local shape, chunk entry, replica group)}; the spec is held, so an id is not
+# reused while it is here.
+_BY_SPEC: dict = {}
+_BY_SPEC_LIMIT = 1 << 14
+
+
+def _facts(tensor) -> tuple:
+    spec = tensor._spec
+    local_shape = tuple(tensor._local_tensor.shape)
+    known = _BY_SPEC.get(id(spec))
+    if known is not None and known[0] is spec and known[1] == local_shape:
+        return known
+    if len(_BY_SPEC) >= _BY_SPEC_LIMIT:   # specs made anew at every step would never be found again
+        _BY_SPEC.clear()
+    known = _BY_SPEC[id(spec)] = (spec, local_shape, _chunk_entry(tensor), _replica_group(tensor))
+    return known
+
+
 def chunk_entry(tensor) -> dict:
-    """The chunk entry (docs/format.md) of this rank's local chunk of the DTensor ``tensor``."""
+    """The chunk entry (docs/format.md) of this rank's local chunk of the DTensor ``tensor`` (a
+    new dict; its lists are shared with the next caller's: do not change them)."""
+    return dict(_facts(tensor)[2])
+
+
+def _chunk_entry(tensor) -> dict:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = tensor.device_mesh
@@ -68,6 +98,10 @@ def replica_group(tensor) -> tuple:
     """The global ranks holding the same chunk of the DTensor ``tensor`` as this rank, this one
     included, in increasing order: those whose mesh coordinates differ from this rank's only on
     dimensions placed Replicate (HSDP's replicate dimension); just this rank when nothing is."""
+    return _facts(tensor)[3]
+
+
+def _replica_group(tensor) -> tuple:
     from torch.distributed.tensor import Replicate
 
     mesh = tensor.device_mesh
@@ -94,6 +128,35 @@ def assign_holders(items: list) -> dict:
             out[name] = holder
             loads[holder] -= negative
     return out
+
+
+def lacks_chunk(own, holder, key: str) -> str | None:
+    """Why full-checkpoint share ``holder`` (its index) does not hold the chunk of ``key`` that share
+    ``own`` names it for in ``elsewhere`` ("2-D meshes": the same chunk entry, in its own tensors,
+    of the dtype named), or None: it does. Readers and ``verify`` ask it of the indexes alone."""
+    if key not in holder.dtensors or key in holder.elsewhere:
+        return f"no chunk of {key!r}" + (" (it names another share for it)" if key in holder.elsewhere else "")
+    differ = entry_difference(holder.dtensors[key], own.dtensors[key])
+    if differ:
+        return f"the chunk of {key!r} with {differ}"
+    dtype = next((t.dtype for t in holder.tensors if t.key == key), None)
+    want = own.elsewhere[key]["dtype"]
+    return f"the chunk of {key!r} in {dtype}, not {want}" if dtype != want else None
+
+
+def lacks_gradient_chunk(own, holder, slot: int) -> str | None:
+    """Why differential share ``holder`` (its index) does not record the gradient chunk of parameter
+    ``slot`` that share ``own`` names it for in ``elsewhere`` (None: it does)."""
+    if slot not in holder.slots or slot not in holder.dtensors:
+        return f"no gradient chunk of parameter {slot}"
+    differ = entry_difference(holder.dtensors[slot], own.dtensors[slot])
+    return f"the gradient chunk of parameter {slot} with {differ}" if differ else None
+
+
+def entry_difference(theirs: dict, mine: dict) -> str:
+    """The fields in which two chunk entries differ, in words ("" if equal)."""
+    return ", ".join(f"{field} {theirs.get(field)} (named with {mine.get(field)})"
+                     for field in sorted(set(theirs) | set(mine)) if theirs.get(field) != mine.get(field))
 
 
 def meshes_of(tensors) -> dict:

@@ -188,7 +188,9 @@ class RetiredEntry:
 def _entry_json(entry) -> dict:
     """A manifest entry as JSON: ``stripes`` only when there are some and ``dir`` only when it is
     set, so the manifest of a directory without striping keeps its bytes."""
-    out = dataclasses.asdict(entry)
+    # (fields by name, not dataclasses.asdict: that deep-copies, and a manifest of hundreds of
+    # entries is written at every commit)
+    out = {field.name: getattr(entry, field.name) for field in dataclasses.fields(entry)}
     stripes = out.pop("stripes", ())
     if stripes:
         out["stripes"] = [s.to_json() for s in entry.stripes]
@@ -223,7 +225,11 @@ class ManifestRecord:
                 "retired": [_entry_json(e) for e in self.retired]}
         if self.run is not None:
             body["run"] = self.run
-        return encode_json_file({"crc32": zlib.crc32(encode_json_file(body)), "manifest": body})
+        # The bytes of encode_json_file({"crc32": ..., "manifest": body}), with the body encoded once:
+        # nested one level deeper, each of its lines is indented by one more space (indent=1; a
+        # line break inside a JSON string is escaped, so every raw one is a line of the layout).
+        inner = encode_json_file(body)
+        return b'{\n "crc32": %d,\n "manifest": %s\n}' % (zlib.crc32(inner), inner.replace(b"\n", b"\n "))
 
     def files(self) -> set:   # the names of the files listed
         return {f.file for f in self.fulls} | {b.file for b in self.batches}

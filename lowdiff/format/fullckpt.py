@@ -7,7 +7,7 @@ thread while training goes on; see the class). fastio writes the buffer without 
 """
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -30,9 +30,9 @@ from lowdiff.format.schema import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where a tensor goes in the payload region of the next full checkpoint."""
+class Placement(NamedTuple):
+    """Where a tensor goes in the payload region of the next full checkpoint. (A tuple: a layout
+    of hundreds is planned and compared with the last one at every full checkpoint.)"""
     key: str
     dtype: str
     shape: tuple
@@ -91,7 +91,7 @@ class Snapshot:
         self.entries: list[Placement] = []
         self.payload_bytes = 0
         self._skeleton = None
-        self._destinations = None  # (entries, staging views) of the last copy
+        self._destinations = None  # (entries, staging views, their addresses, sizes) of the last copy
         self._staged = None        # (tensors, versions) between stage() and release_sources()
         self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
         self.meta: TrainedWith | None = None
@@ -135,10 +135,13 @@ class Snapshot:
             else:
                 self._buffer = fastio.aligned_buffer(payload_bytes, populate=True)
         if self._destinations is None or self._destinations[0] != entries:
-            # The layout rarely changes between checkpoints: keep the staging views.
+            # The layout rarely changes between checkpoints: keep the staging views, their
+            # addresses and sizes.
             staging = self._buffer.tensor(payload_bytes)
-            self._destinations = (entries, [_staging_view(staging, e) for e in entries if e.nbytes])
-        destinations = self._destinations[1]
+            views = [_staging_view(staging, e) for e in entries if e.nbytes]
+            self._destinations = (entries, views, [v.data_ptr() for v in views],
+                                  [e.nbytes for e in entries if e.nbytes])
+        _, destinations, addresses, sizes = self._destinations
         sources = [tensor for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
         self._checksums = None
         with torch.no_grad():
@@ -152,9 +155,8 @@ class Snapshot:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each
                 # piece while it is in cache.
-                self._checksums = fastio.copy_regions(
-                    [d.data_ptr() for d in destinations], [s.data_ptr() for s in sources],
-                    [e.nbytes for e in entries if e.nbytes], checksums=True)
+                self._checksums = fastio.copy_regions(addresses, [s.data_ptr() for s in sources], sizes,
+                                                      checksums=True)
             elif all(src.device.type == "cpu" for src in sources):
                 # One call for all tensors: the GIL is released once, not once per tensor, so
                 # background Python threads cannot stretch the copy with hundreds of GIL hand-offs.

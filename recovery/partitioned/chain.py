@@ -45,6 +45,7 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
     index does not verify ends the share's chain before it (with a warning)."""
     steps: dict = {}
     slots = None
+    chunks = None
     expected = first
     for position, (name, index) in enumerate(share.files):
         if not isinstance(index, DiffShareIndex):
@@ -55,7 +56,13 @@ def _share_steps(share: ShareFiles, first: int, warn) -> tuple[dict, tuple | Non
             warn(f"lowdiff: {name} is share {index.index} owning other parameters, not share {share.index}; "
                  f"the chain of share {share.index} ends at step {expected - 1}")
             break
-        slots = marked
+        # The chunks (and, HSDP, which share records which) are those of the chain's first file: one
+        # session, one mesh. A file that says otherwise is not replayed as if it agreed.
+        if chunks is not None and (index.dtensors, index.elsewhere) != chunks:
+            warn(f"lowdiff: {name} names other DTensor chunks than the files of share {share.index} before it; "
+                 f"the chain of share {share.index} ends at step {expected - 1}")
+            break
+        slots, chunks = marked, (index.dtensors, index.elsewhere)
         for step, offset, nbytes in index.batch.records:
             if step != expected:
                 if step > expected:
@@ -78,6 +85,22 @@ def chain_reach(shares: list, base_step: int, warn) -> int:
     return last
 
 
+def _check_holders(firsts: list) -> None:
+    """HSDP ("2-D meshes"): every gradient chunk a share names another share for (`elsewhere`) is
+    recorded by that share, with the same chunk entry. Else the chunk would be cut from chunks that
+    do not tile it (a wrong gradient, silently): the differentials are not replayed (raises).
+    ``firsts``: (path, DiffShareIndex) of each share's first file, or (None, None)."""
+    for share, (path, index) in enumerate(firsts):
+        for slot, holder in (index.elsewhere.items() if index is not None else ()):
+            held_path, held = firsts[holder] if holder < len(firsts) else (None, None)
+            if held is None:
+                continue   # that share holds no file: nothing is replayed (MergedShares._owners)
+            lacking = dtensors.lacks_gradient_chunk(index, held, slot)
+            if lacking:
+                raise CorruptCheckpointError(str(held_path), f"share {holder} is named by share {share} ({path}) "
+                                                             f"for chunks it does not hold: it has {lacking}")
+
+
 class MergedShares:
     """Looks like an open ``BatchReader`` to ``recovery.pipeline.replay`` (``path``, ``index_error``,
     ``entries``, ``steps``, ``prepare_read``, ``read_for_replay``, ``decode_record``)."""
@@ -92,8 +115,10 @@ class MergedShares:
         self.path = root
         self._live = live_chunks or {}
         self._own_chunks = own_chunks
-        first_indexes = [next((index for _, index in share.files if isinstance(index, DiffShareIndex)), None)
-                         for share in shares]
+        firsts = [next(((path, index) for path, index in share.files if isinstance(index, DiffShareIndex)),
+                       (None, None)) for share in shares]
+        _check_holders(firsts)
+        first_indexes = [index for _, index in firsts]
         self._chunks = [index.dtensors if index is not None else {} for index in first_indexes]
         # {slot: share recording it instead} of each share (HSDP: one rank of a replicate group records a chunk)
         self._elsewhere = [index.elsewhere if index is not None else {} for index in first_indexes]

@@ -77,6 +77,16 @@ def _read_indexes(fset: FullSet, problems: dict, files: LocalFiles = LOCAL, read
         if (index.step, index.session, index.run, index.count, index.layout) != \
                 (fset.step, fset.session, first.run, fset.count, first.layout):
             problems[i] = f"{fset.files[i]} is not a share of the same set as {fset.files[0]}"
+    # HSDP ("2-D meshes"): each chunk a share names another share for is that share's, by their
+    # indexes (every rank has them all, so every rank finds the same). Else a rank would take, or a
+    # resharding cut, the chunk from one that is not it.
+    for i, index in indexes.items():
+        for key, where in sorted(index.elsewhere.items()):
+            holder = indexes.get(where["share"])
+            lacking = dtensors.lacks_chunk(index, holder, key) if holder is not None else None
+            if lacking and where["share"] not in problems:
+                problems[where["share"]] = f"{fset.files[where['share']]} is named by share {i} ({fset.files[i]}) " \
+                                           f"for chunks it does not hold: it has {lacking}"
     return indexes
 
 
@@ -265,10 +275,8 @@ def load_set(fset: FullSet, rank: int, world: int, check_full, into, as_share: i
             if not (resharding and any(_overlaps(entry, live_of(key)) for key, entry in _held(indexes[i]))) and \
                     i not in lent:
                 continue   # none of its chunks is part of what this rank rebuilds: not read (not fetched)
-            try:
+            try:   # (that share holds what this one names it for: checked with the indexes)
                 _read_chunks(fset, indexes, i, chunks, files)
-                if i in lent:
-                    _check_lent(fset, indexes, own, i, chunks)
             except (CheckpointError, OSError, EOFError) as exc:
                 problems[i] = f"{fset.files[i]} does not verify ({exc})"
         problems = _agree_problems(problems, world)
@@ -294,19 +302,6 @@ def _outline_elsewhere(path: str, index):
         entry = index.dtensors[key]
         return torch.empty(entry["shape"], dtype=dtype_from_name(index.elsewhere[key]["dtype"], path), device="meta")
     return borrowed
-
-
-def _check_lent(fset: FullSet, indexes: dict, own: int, share: int, read: dict) -> None:
-    """Share ``share`` holds, with the same chunk entry and dtype, every chunk share ``own`` says it
-    holds for it (HSDP: one rank of a replicate group writes each chunk)."""
-    for key, where in indexes[own].elsewhere.items():
-        if where["share"] != share:
-            continue
-        held = read[share].get(key)
-        if held is None or held[0] != indexes[own].dtensors[key] or \
-                held[1].dtype != dtype_from_name(where["dtype"], fset.files[own]):
-            raise CorruptCheckpointError(fset.files[share], f"share {share} does not hold the chunk of {key!r} that "
-                                                            f"share {own} ({fset.files[own]}) names it for")
 
 
 def _lent(index, key: str, read: dict) -> torch.Tensor:

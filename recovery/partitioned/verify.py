@@ -5,11 +5,13 @@ Nothing is changed; no process group is needed.
 """
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
 import os
 
 import fastio
+from lowdiff.distributed import dtensors
 from lowdiff.distributed.partition import rank_directory, read_views
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format.records import decode_record
@@ -22,13 +24,14 @@ from lowdiff.format.sharefile import (
     read_share_bytes_into,
 )
 from lowdiff.store.inventory import check_entry
-from lowdiff.store.manifest import MANIFEST_NAME, FullEntry, entry_path
+from lowdiff.store.manifest import DIFF_RE, FULL_RE, MANIFEST_NAME, BatchEntry, FullEntry, entry_path
 from recovery.partitioned.plan import plan
 from recovery.pipeline.replay import verify_workers
 from recovery.verify import Problem, VerifyReport, _inventory_problems, _manifest_problems, checked
 
 
-def _check_full_share(path: str, entry: FullEntry, run) -> None:
+def _check_full_share(path: str, entry: FullEntry, run):
+    """The share's index, once every byte of the share verifies."""
     with fastio.Reader(path) as reader:
         index = read_full_share_index(path, reader)
         check_entry(path, entry, index, reader.size, run)
@@ -38,11 +41,12 @@ def _check_full_share(path: str, entry: FullEntry, run) -> None:
                 body.check()
         read_share_bytes_into(path, reader, index, bytearray(index.end - index.start))
         read_own(path, reader, index)
+    return index
 
 
 def _check_diff_share(path: str, entry, run):
-    """(Problem or None, the last step whose record verifies in order); raises on a damaged index
-    (without it the share's parameters are unknown: nothing of the file is usable)."""
+    """(Problem or None, the last step whose record verifies in order, the index); raises on a
+    damaged index (without it the share's parameters are unknown: nothing of the file is usable)."""
     with open(path, "rb") as f:
         data = f.read()
     index = parse_diff_share(path, data)
@@ -52,19 +56,23 @@ def _check_diff_share(path: str, entry, run):
         try:
             decode_record(memoryview(data)[offset:offset + nbytes], path, offset, expected_step=step)
         except CorruptCheckpointError as exc:
-            return Problem(path, "CORRUPT", exc.problem), last
+            return Problem(path, "CORRUPT", exc.problem), last, index
         last = step
-    return None, last
+    return None, last, index
 
 
 def _check(path: str, entry, run):
-    """(Problem or None, last good step or None)."""
+    """(Problem or None, last good step or None, the share's index or None: unreadable)."""
+    found: list = [None]
+
     def check():
         if isinstance(entry, FullEntry):
-            _check_full_share(path, entry, run)
+            found[0] = _check_full_share(path, entry, run)
             return None, entry.step
-        return _check_diff_share(path, entry, run)
-    return checked(path, check)
+        problem, last, found[0] = _check_diff_share(path, entry, run)
+        return problem, last
+    problem, last = checked(path, check)
+    return problem, last, found[0]
 
 
 def _rank_problems(directory: str, inventory) -> list:
@@ -84,7 +92,7 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
     checked anyway (lowdiff.distributed.partition.read_views)."""
     root = os.fspath(root)
     views = read_views(root, skip_other_versions=True)
-    problems, jobs, adopted = [], [], []
+    problems, jobs, adopted, gone = [], [], [], {}
     for rank, inventory in views.items():
         directory = rank_directory(root, rank)
         manifest = inventory.manifest
@@ -96,15 +104,24 @@ def verify_partitioned(root, *, workers: int | None = None) -> VerifyReport:
         jobs += [(os.path.join(name, e.file), e, manifest.run, entry_path(directory, e))
                  for e in manifest.fulls + manifest.batches]
         adopted += [os.path.join(name, n) for n in inventory.adopted]
+        gone.update(_listed_missing(directory, inventory.missing))
     with concurrent.futures.ThreadPoolExecutor(workers or verify_workers()) as pool:
         results = list(pool.map(lambda job: _check(job[3], job[1], job[2]), jobs))
-    ok, reach = [], {}
-    for (name, _, _, _), (problem, last) in zip(jobs, results):
+    ok, reach, found = [], {}, {}
+    for (name, entry, _, path), (problem, last, index) in zip(jobs, results):
         (problems.append(problem) if problem else ok.append(name))
         reach[name] = last
+        found[name] = (path, index, problem, entry)
+    found.update(gone)   # (reported as MISSING above; named here as the holders they may be)
     manifests = {rank: inventory.manifest for rank, inventory in views.items()}
     planned = plan(root, None, views)
     sets = planned.sets
+    # HSDP: a share is usable only with the chunks it names in `elsewhere` ("2-D meshes").
+    for name, (why, unusable) in sorted(holder_problems(found).items()):
+        problems.append(Problem(found[name][0], "HOLDER", why))
+        ok.remove(name)
+        if unusable:   # the holder verifies but lacks the chunk: the set (or chain) ends before this file
+            reach[name] = None
     problems += [Problem(rank_directory(root, rank), "MISSING",
                          f"the rank directory is missing; the full checkpoints of steps "
                          f"{', '.join(map(str, sorted(steps)))} need its shares (nothing is resumed or "
@@ -139,3 +156,100 @@ def _chain_reach(step: int, share: int, chain: tuple, reach: dict, ok: set) -> i
 def _listed_end(step: int, share: int, chain: tuple, manifests: dict) -> int:
     batches = {b.file: b for b in manifests[share].batches} if manifests.get(share) else {}
     return batches[chain[-1]].last if chain and chain[-1] in batches else step
+
+
+# ---------------------------------------------------------------- HSDP: the chunks named elsewhere
+def holder_problems(found: dict) -> dict:
+    """{name: (why, unusable)} of the listed shares whose `elsewhere` (HSDP, docs/format.md, "2-D
+    meshes") names a share that is missing or does not verify (its own problem says why), or one
+    that verifies but does not hold the chunk with the same key, chunk entry (offsets, shape, mesh,
+    placements) and dtype (``unusable``: the file is of no use although its own bytes verify).
+    ``found``: {name ("rank-NNNNN/FILE"): (path, index or None, Problem or None, manifest entry)} of
+    every listed share file. The holder of a full share's chunk is the holding rank's listed share of
+    the same step and session; of a differential share's, its listed files of the same session whose
+    steps meet the file's. A holder its rank never listed is not a fault here (the set is incomplete,
+    or that rank's chain ends sooner: a crash; resume and the recoverable steps account for it). A
+    share with a problem of its own is not judged again."""
+    fulls: dict = {}
+    batches: dict = {}
+    for name, (_, _, _, entry) in found.items():
+        rank = int(name.split("/")[0][len("rank-"):])
+        if isinstance(entry, FullEntry):
+            fulls[(rank, entry.step, entry.session)] = name
+        else:
+            batches.setdefault((rank, entry.session), []).append((entry.first, entry.last, name))
+    spans = {key: ([hi for _, hi, _ in sorted(items)], sorted(items)) for key, items in batches.items()}
+    out: dict = {}
+    for name, (_, own, problem, entry) in sorted(found.items()):
+        if problem is not None or own is None or not own.elsewhere:
+            continue
+        if isinstance(entry, FullEntry):
+            pairs = [(key, where["share"], fulls.get((where["share"], entry.step, entry.session)))
+                     for key, where in own.elsewhere.items()]
+            _judge(out, found, name, own, [pair for pair in pairs if pair[2] is not None], dtensors.lacks_chunk)
+        else:
+            holders = {j: _overlapping(spans.get((j, entry.session), ([], [])), entry.first, entry.last)
+                       for j in set(own.elsewhere.values())}
+            _judge(out, found, name, own, [(slot, j, holder) for slot, j in own.elsewhere.items()
+                                           for holder in holders[j]], dtensors.lacks_gradient_chunk)
+    return out
+
+
+def _listed_missing(directory: str, names) -> dict:
+    """``found`` entries for the share files a rank's manifest lists that do not exist (the
+    inventory drops them from its view; _inventory_problems reports them), by their names."""
+    out: dict = {}
+    name = os.path.basename(directory)
+    for file in names:
+        path = os.path.join(directory, file)
+        problem = Problem(path, "MISSING", "missing")
+        full, diff = FULL_RE.match(file), DIFF_RE.match(file)
+        if full:
+            out[os.path.join(name, file)] = (path, None, problem, FullEntry(int(full[1]), file, 0, full[2]))
+        elif diff:
+            out[os.path.join(name, file)] = (path, None, problem, BatchEntry(int(diff[1]), int(diff[2]), file, 0,
+                                                                             diff[3]))
+    return out
+
+
+def _overlapping(share_spans: tuple, first: int, last: int) -> list:
+    """The names of one share's files ((their last steps, [(first, last, name)]) in step order) whose
+    steps meet [first, last]."""
+    lasts, spans = share_spans
+    out = []
+    for lo, _, name in spans[bisect.bisect_left(lasts, first):]:
+        if lo > last:
+            break
+        out.append(name)
+    return out
+
+
+def _judge(out: dict, found: dict, name: str, own, pairs: list, lacks) -> None:
+    """Set ``out[name]`` to what is wrong with the holders ``pairs`` ([(key or slot, share, holder's
+    name)]) that share ``own`` (its index) names."""
+    damaged: dict = {}
+    lacking: dict = {}
+    for key, share, holder in sorted(pairs, key=lambda p: (p[2], str(p[0]))):
+        path, index, problem, _ = found.get(holder, (holder, None, None, None))
+        if index is None or problem is not None:
+            state = "is missing" if problem is not None and problem.label == "MISSING" else "does not verify"
+            damaged.setdefault((share, path, state), []).append(key)
+        else:
+            what = lacks(own, index, key)
+            if what:
+                lacking.setdefault((share, path), []).append(what)
+    whys = [f"share {share} ({path}), which {state}, holds its {_chunks(keys)}"
+            for (share, path, state), keys in damaged.items()]
+    whys += [f"share {share} ({path}) is named for chunks it does not hold: it has {'; '.join(what[:3])}"
+             + (f" (and {len(what) - 3} more)" if len(what) > 3 else "") for (share, path), what in lacking.items()]
+    if whys:
+        out[name] = ("; ".join(whys) + " (HSDP writes each chunk once: this file is of no use without it)",
+                     bool(lacking))
+
+
+def _chunks(keys: list) -> str:
+    """The chunks named: of state keys (full shares) or of parameters by slot (differential shares)."""
+    shown = ", ".join(map(repr if isinstance(keys[0], str) else str, keys[:3])) + \
+        (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    many = "s" * (len(keys) > 1)
+    return f"chunk{many} of {shown}" if isinstance(keys[0], str) else f"gradient chunk{many} of parameter{many} {shown}"

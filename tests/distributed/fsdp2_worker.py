@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import lowdiff
 import recovery
@@ -161,6 +162,9 @@ def main():
     p.add_argument("--tied", action="store_true", help="a model with a tied weight (Tied)")
     p.add_argument("--hsdp", action="store_true", help="HSDP: fully_shard on a (2, world / 2) mesh")
     p.add_argument("--mp", choices=sorted(POLICIES), help="fully_shard(..., mp_policy=POLICIES[this])")
+    p.add_argument("--sharded-scaler", action="store_true",
+                   help="ShardedGradScaler as wrap(grad_scaler=...) (scaler.unscale_ before odd steps); "
+                        "rank 0's gradient chunk made inf at step 6")
     p.add_argument("--shared", help="a shared tier (lowdiff.Tiers) the rank directories drain into")
     p.add_argument("--keep-last", type=int, help="retention=lowdiff.KeepLast(this)")
     p.add_argument("--stripe-dirs", type=lambda s: tuple(s.split(",")), default=(),
@@ -171,27 +175,43 @@ def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
     model, opt, sched, sampler = build(args)
+    # FSDP2's fp16 recipe: the loss scaled, steps with an inf/nan gradient chunk on any rank skipped
+    # on every rank (the scale backs off); a small growth interval so that the scale grows too.
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 10, growth_interval=3) if args.sharded_scaler else None
     compressor = lowdiff.Dense() if args.compressor == "dense" else \
         lowdiff.TopK(ratio=0.25, min_numel=16, error_feedback=args.compressor == "topk-ef")
     opt = lowdiff.wrap(opt, model, args.dir, compressor=compressor, full_every=4, batch_steps=2, scheduler=sched,
                        extra_state={"sampler": sampler}, tiers=lowdiff.Tiers(args.shared) if args.shared else None,
                        retention=lowdiff.KeepLast(args.keep_last) if args.keep_last else None,
-                       options=lowdiff.Options(stripe_dirs=args.stripe_dirs))
+                       options=lowdiff.Options(stripe_dirs=args.stripe_dirs), grad_scaler=scaler)
     start = recovery.resume(args.dir, model, opt, step=args.resume_step)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
     target = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(8))
+
+    def digest_all():   # with the scaler's scale and growth tracker
+        mine = digest(model, opt, sched, sampler)
+        return mine if scaler is None else hashlib.sha256(f"{mine} {scaler.state_dict()}".encode()).hexdigest()
     with open(args.digests, "a") as out:
-        out.write(f"resumed {int(start)} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")
+        out.write(f"resumed {int(start)} {gathered(model, opt, sched)} {digest_all()}\n")
         out.flush()
         for step in range(int(start), args.steps if not args.resume_only else int(start)):
             idx = sampler.next_batch(8)
             output = model(data[idx])
-            torch.nn.functional.cross_entropy(output, target[idx]).backward()
+            loss = torch.nn.functional.cross_entropy(output.float() if scaler is not None else output, target[idx])
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             if args.mp:
                 check_mixed_precision(POLICIES[args.mp], output, model)
-            opt.step()
+            if scaler is not None:
+                if step + 1 == 6 and args.rank == 0:   # an overflow that lands in rank 0's chunk only
+                    model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+                if (step + 1) % 2:   # odd steps: unscaled first, as a loop that clips gradients does
+                    scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             opt.zero_grad()
-            out.write(f"{step + 1} {gathered(model, opt, sched)} {digest(model, opt, sched, sampler)}\n")
+            out.write(f"{step + 1} {gathered(model, opt, sched)} {digest_all()}\n")
             out.flush()
             if args.crash_at == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)

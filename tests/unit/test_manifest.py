@@ -112,6 +112,8 @@ def test_manifest_json_round_trip(m):
     outer = json.loads(m.to_json())
     assert outer["manifest"]["version"] == 1
     assert outer["crc32"] == zlib.crc32(json.dumps(outer["manifest"], indent=1, sort_keys=True).encode())
+    # the bytes are those of the whole file encoded at once (to_json encodes the body only once)
+    assert m.to_json() == json.dumps(outer, indent=1, sort_keys=True).encode()
 
 
 def test_write_and_read_manifest(tmp_path):

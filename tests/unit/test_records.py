@@ -178,6 +178,17 @@ def test_indices_at_the_int32_limits_round_trip():
     assert got.indices.tolist() == idx.tolist()
 
 
+def test_unsorted_indices_at_the_packed_sort_limit_are_recorded_sorted_with_their_values():
+    # Two tensors of 2**31 - 1 elements together: the largest total the encoder sorts as packed
+    # (key, position) pairs; the second tensor's keys reach 2**31 - 2.
+    first, second = 2**30, 2**31 - 1 - 2**30
+    a = Compressed("sparse", first, torch.tensor([3.0, 1.0, 2.0]), torch.tensor([first - 1, 0, 5]), sorted=False)
+    b = Compressed("sparse", second, torch.tensor([4.0, 5.0]), torch.tensor([second - 1, 7]), sorted=False)
+    got = decode_record(encoded(StepRecord(1, False, [a, b], {})), "mem", 0).grads
+    assert [g.indices.tolist() for g in got] == [[0, 5, first - 1], [7, second - 1]]
+    assert [g.values.tolist() for g in got] == [[1.0, 2.0, 3.0], [5.0, 4.0]]
+
+
 def test_a_large_structured_part_compressed_by_several_zstd_threads_round_trips(monkeypatch):
     from lowdiff.format import records
     monkeypatch.setattr(records, "_zstd_threads", lambda: 2)   # as on a machine with 4+ cores
