@@ -72,6 +72,31 @@ def candidates(program: fsmodel.Program, samples: int, seed: int, model: str = "
                 yield point, state
 
 
+def kind_of(state) -> str:
+    """How a state was built (fsmodel.states): a prefix of the directory operations with no or all
+    pending data, a random sample (some pending writes kept, some torn), or a per-directory sample."""
+    for kind in ("per-directory", "sample"):
+        if state.how.startswith(kind):
+            return kind
+    return state.how.rsplit(", ", 1)[-1]
+
+
+def pick(built: list, limit: int, seed: int) -> list:
+    """``limit`` of the (crash point, state) pairs, drawn with ``seed`` in turn from each kind of
+    state (kind_of), so that a small sample still holds every kind the workload built."""
+    rng = np.random.default_rng(seed)
+    by_kind: dict = collections.defaultdict(list)
+    for i, (_, state) in enumerate(built):
+        by_kind[kind_of(state)].append(i)
+    queues = [list(rng.permutation(by_kind[kind])) for kind in sorted(by_kind)]
+    picks: list = []
+    while len(picks) < limit:
+        for queue in queues:
+            if queue and len(picks) < limit:
+                picks.append(int(queue.pop()))
+    return [built[i] for i in sorted(picks)]
+
+
 def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: int, check,
             model: str = "journal") -> Report:
     """Trace workload ``name`` under ``work_dir`` and check its crash states with ``check(root,
@@ -94,10 +119,7 @@ def explore(name: str, work_dir: str, *, samples: int, limit: int | None, seed: 
     report.ops, report.points = len(program.ops), len(program.barriers())
     built = list(candidates(program, samples, seed, model))
     report.built = len(built)
-    chosen = built
-    if limit is not None and limit < len(built):
-        picks = np.random.default_rng(seed).choice(len(built), size=limit, replace=False)
-        chosen = [built[i] for i in sorted(picks)]
+    chosen = built if limit is None or limit >= len(built) else pick(built, limit, seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as the traced process: the digests depend on the thread count
     log = logging.getLogger("lowdiff")

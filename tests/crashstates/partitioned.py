@@ -21,6 +21,7 @@ from checker import Outcome
 from explore import HERE, REPO, TIMEOUT_S
 
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "distributed"))
+import forkserver  # noqa: E402
 import partition_worker  # noqa: E402
 from partition_runs import digests, free_port  # noqa: E402
 
@@ -41,7 +42,9 @@ def launch(root: str, out: str, *, traced: bool, steps: int = STEPS) -> None:
                   "--world", "2", "--port", str(port), "--steps", str(steps), "--dir", os.path.join(root, "ckpt"),
                   "--digests", f"{out}-{rank}.txt", *SETTINGS]
         prefix = [os.path.join(HERE, "traced.py"), root, f"{out}-{rank}.pkl"] if traced else []
-        procs.append(subprocess.Popen([sys.executable, *prefix, *worker], env=env, stdout=subprocess.DEVNULL,
+        # untraced: forked with torch already imported (the tracer needs a fresh interpreter)
+        procs.append(forkserver.start([sys.executable, *prefix, *worker], env) if not traced else
+                     subprocess.Popen([sys.executable, *prefix, *worker], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     errors = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
     for p, err in zip(procs, errors):

@@ -28,7 +28,8 @@ import workload  # noqa: E402
 from lowdiff_helpers import build, reference_digests, train_steps, wrap  # noqa: E402
 
 SAMPLES = 4          # random states per crash point, besides the prefixes of directory operations
-CI_STATES = 12       # states checked per single-process workload in CI (the campaign checks all)
+CI_STATES = 8        # states checked per single-process workload in CI, every kind of state among them
+                     # (explore.pick; the campaign checks all)
 CI_PARTITIONED = 24  # states of the partitioned workload (resumed in one process)
 CI_LATER = 1         # of which this many get a later 2-rank session
 
@@ -45,10 +46,16 @@ def one_torch_thread():
 def test_power_loss_states_resume_exactly(name, tmp_path):
     work = workload.WORKLOADS[name]
     reference = reference_digests(work.steps + work.extra)
-    report = explore.explore(name, str(tmp_path), samples=SAMPLES, limit=CI_STATES, seed=33,
-                             check=lambda root, required, state: checker.check(work, root, required, reference))
+    kinds: set = set()
+
+    def check(root, required, state):
+        kinds.add(explore.kind_of(state))
+        return checker.check(work, root, required, reference)
+
+    report = explore.explore(name, str(tmp_path), samples=SAMPLES, limit=CI_STATES, seed=33, check=check)
     print(report.line())
     assert report.checked == min(CI_STATES, report.built) and report.built > report.points
+    assert kinds == {"no pending data", "all pending data", "sample"}, kinds   # every kind among the few
     assert not report.failures, "\n".join(report.failures)
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import forkserver
+
 WORKER = os.path.join(os.path.dirname(__file__), "partition_worker.py")
 STEPS = 16
 
@@ -29,7 +31,7 @@ def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeo
         env.update(envs[rank] if envs else {})
         args = [sys.executable, worker, "--rank", str(rank), "--world", str(world), "--port", str(port),
                 "--steps", str(steps), "--dir", str(directory), "--digests", f"{digests}-{rank}.txt", *extra]
-        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(forkserver.start(args, env))   # a fresh process, torch already imported
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         if any(p.returncode == -9 for p in procs) or time.monotonic() > deadline:

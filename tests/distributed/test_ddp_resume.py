@@ -5,6 +5,9 @@ import socket
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(__file__))
+import forkserver  # noqa: E402
+
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 WORLD = 2
 
@@ -23,7 +26,7 @@ def run_ranks(directory, steps, digest_dir, tag, crash_at=None, timeout=240):
                 str(digest_dir / f"{tag}-{rank}.txt")]
         if crash_at is not None:
             args.append(str(crash_at))
-        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(forkserver.start(args))   # its own process, torch already imported
     results = []
     for proc in procs:
         try:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import forkserver  # noqa: E402
 from partition_runs import free_port  # noqa: E402
 from test_fsdp2_resume import copied, damage_rank_1s_newest_chunk, digests, launch, ok  # noqa: E402
 
@@ -22,10 +23,9 @@ STEPS, K = 10, 5
 def launch_dcp(checkpoint, out, world, *extra):
     """``world`` ranks of fsdp2_dcp_worker.py; (return code, stderr) by rank."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, DCP_WORKER, "--rank", str(rank), "--world", str(world), "--port",
+    procs = [forkserver.start([sys.executable, DCP_WORKER, "--rank", str(rank), "--world", str(world), "--port",
                                str(port), "--steps", str(STEPS), "--dcp", str(checkpoint), "--digests",
-                               f"{out}-{rank}.txt", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for rank in range(world)]
+                               f"{out}-{rank}.txt", *extra]) for rank in range(world)]
     results = []
     for p in procs:
         try:

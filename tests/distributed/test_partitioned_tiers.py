@@ -8,7 +8,6 @@ import io
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ from lowdiff.store.manifest import read_manifest
 from recovery.tiers import tier_reach
 
 sys.path.insert(0, os.path.dirname(__file__))
+import forkserver  # noqa: E402
 import partition_worker  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "tiers_worker.py")
@@ -33,10 +33,9 @@ def start_ranks(local, shared, digests, world, *extra):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    return [subprocess.Popen([sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
+    return [forkserver.start([sys.executable, WORKER, "--rank", str(rank), "--world", str(world), "--port", str(port),
                               "--steps", str(STEPS), "--dir", str(local).format(rank=rank), "--shared-dir", str(shared),
-                              "--digests", f"{digests}-{rank}.txt", *extra],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                              "--digests", f"{digests}-{rank}.txt", *extra], env)
             for rank in range(world)]
 
 

@@ -31,6 +31,9 @@ from lowdiff.cli import main as cli
 from lowdiff.cli.demo import build, compressor_from, state_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "distributed"))
+import forkserver  # noqa: E402
+
 TIMEOUT_S = 300          # only against hangs; nothing is timed
 MANIFEST = "MANIFEST.json"
 FULL_NAME = re.compile(r"^full-(\d{12})-([0-9a-f]{8})\.ldf$")
@@ -113,23 +116,24 @@ class Trainer:
     compressor: str = "topk"
     fault: str | None = None
 
+    def argv(self, digests: str) -> list:
+        """The trainer's command line (a subclass adds its options)."""
+        return [sys.executable, "-m", "lowdiff.cli.demo", "train", str(self.directory), "--steps", str(self.steps),
+                "--optimizer", self.optimizer, "--compressor", self.compressor,
+                "--full-every", str(self.full_every), "--batch-steps", str(self.batch_steps), "--digests", digests]
+
     def start(self) -> Running:
         paths = {k: os.path.join(self.workdir, f"{self.name}.{k}") for k in ("out", "err", "digests")}
-        out, err = open(paths["out"], "w"), open(paths["err"], "w")
-        args = [sys.executable, "-m", "lowdiff.cli.demo", "train", str(self.directory), "--steps", str(self.steps),
-                "--optimizer", self.optimizer, "--compressor", self.compressor,
-                "--full-every", str(self.full_every), "--batch-steps", str(self.batch_steps),
-                "--digests", paths["digests"]]
-        proc = subprocess.Popen(args, stdout=out, stderr=err, env=env(self.fault), cwd=REPO)
-        out.close()
-        err.close()
+        # its own process, forked with torch already imported (lowdiff and LOWDIFF_FAULT are its own)
+        proc = forkserver.start(self.argv(paths["digests"]), env(self.fault), stdout=paths["out"],
+                                stderr=paths["err"], cwd=REPO)
         return Running(self, proc, paths)
 
 
 @dataclasses.dataclass
 class Running:
     trainer: Trainer
-    proc: subprocess.Popen
+    proc: typing.Any   # forkserver.Forked (or subprocess.Popen with LOWDIFF_TEST_FORKSERVER=0)
     paths: dict
 
     def finish(self) -> Result:

@@ -188,7 +188,9 @@ def open_uploads(client, bucket: str) -> list:
     return client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
 
 
-@pytest.fixture(scope="module")
+# One server for every module that takes it from one place (integration's conftest.py): each test
+# has a bucket of its own (the s3 fixture), so they need not start a server each.
+@pytest.fixture(scope="session")
 def s3_server():
     with moto_server() as url:
         yield url

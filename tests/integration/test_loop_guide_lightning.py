@@ -64,9 +64,12 @@ def reference(tmp_path_factory):
 
 # Killed in the writer right after the batch of steps 1-10 (then of 11-20) is listed: the resume
 # lands mid-epoch (step 10) and at the next epoch (20) whatever the timing. A kill at the 14th
-# record instead raced the batch 1-10 commit and sometimes resumed from step 0.
-@pytest.mark.parametrize("fault, resumed", [("manifest-commit:2", 10), ("manifest-commit:3", 20)],
-                         ids=["mid-epoch", "next-epoch"])
+# record instead raced the batch 1-10 commit and sometimes resumed from step 0. The resume at the next
+# epoch with -m soak (the suite's time): test_lightning.py resumes a new Trainer at an epoch's end
+# by default, and issue #27's first resumed step is this recipe's mid-epoch case.
+@pytest.mark.parametrize("fault, resumed", [
+    pytest.param("manifest-commit:2", 10, id="mid-epoch"),
+    pytest.param("manifest-commit:3", 20, id="next-epoch", marks=pytest.mark.soak)])
 def test_the_guide_lightning_recipe_resumes_exactly(tmp_path, reference, fault, resumed):
     run(str(tmp_path), fault)
     got = run(str(tmp_path))

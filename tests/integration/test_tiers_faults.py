@@ -46,19 +46,8 @@ class TieredTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.shared = shared
 
-    def start(self):
-        import fault_helpers
-
-        original = fault_helpers.subprocess.Popen
-
-        def popen(args, **kw):
-            return original(args + ["--shared-dir", self.shared, "--shared-policy", "last:2"], **kw)
-
-        fault_helpers.subprocess.Popen = popen
-        try:
-            return super().start()
-        finally:
-            fault_helpers.subprocess.Popen = original
+    def argv(self, digests):
+        return super().argv(digests) + ["--shared-dir", self.shared, "--shared-policy", "last:2"]
 
 
 def trial(name, tmp_path, rng, reference, drop_local: bool):
