@@ -3,7 +3,7 @@ steps and of full-checkpoint steps, the background threads' time per record and 
 checkpoint, and the replay's read/decode/apply split. A diagnostic for issue #25, sized for a short
 GPU loan (~1-2 minutes on one H100); ``--cpu`` runs it on tiny sizes here.
 
-    python experiments/gpu_profile.py [--cpu] [--parts topk,full,replay] [--preset 350m]
+    python experiments/gpu_profile.py [--cpu] [--parts topk,full,replay,gil] [--preset 350m]
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ class Timed:
             finally:
                 self.calls.append((time.perf_counter() - t0) * 1e3)
         setattr(owner, name, wrapper)
+
+    def restore(self) -> None:
+        setattr(self.owner, self.name, self.original)
 
     def summary(self) -> str:
         if not self.calls:
@@ -95,7 +98,8 @@ def part_topk(preset: str, cpu: bool) -> None:
     loop = gpu_check.Loop(preset, cpu)
     # to_host's parts: the device sort (launches), the pinned allocation and copy enqueue.
     timers = [Timed(background, "encode_record"), Timed(devicecopy.DeviceCopy, "to_host"),
-              Timed(devicecopy.DeviceCopy, "sorted_on_device"), Timed(devicecopy.CudaCopyEngine, "copy_to_host")]
+              Timed(devicecopy.DeviceCopy, "sorted_on_device"), Timed(devicecopy.CudaCopyEngine, "copy_to_host"),
+              Timed(background.DiffWriter, "put")]   # put: the step waiting for the writer (backpressure)
     if hasattr(compress, "TopK"):
         timers.append(Timed(compress.TopK, "compress"))
     with tempfile.TemporaryDirectory() as work:
@@ -104,6 +108,54 @@ def part_topk(preset: str, cpu: bool) -> None:
     for t in timers:
         log("  " + t.summary())
     print(top(profile), flush=True)
+
+
+def part_gil(preset: str, cpu: bool) -> None:
+    """Whether the differential writer starves for the GIL: lowdiff TopK every step at the default
+    switch interval (5 ms) and at shorter ones, against compression alone, in one process. A
+    thread that releases the GIL for each torch call (the writer: a few dozen per record) waits up
+    to one switch interval to get it back from a training thread that holds it between kernel
+    launches; a writer slower than the steps then holds ``step()`` back (its ``put`` waits)."""
+    import lowdiff
+    from lowdiff.persist import background
+    loop = gpu_check.Loop(preset, cpu)
+    warm, timed = (2, 6) if cpu else (35, 12)
+    with tempfile.TemporaryDirectory() as work:
+        base = gpu_check._time_config(loop, "topk-only", Path(work), warm, timed, lowdiff)
+    log(f"gil {preset}: compression alone, median step {statistics.median(base):.1f} ms")
+    default = sys.getswitchinterval()
+    for interval in (default, 0.001, 0.0002):
+        timers = [Timed(background, "encode_record"), Timed(background.DiffWriter, "put")]
+        sys.setswitchinterval(interval)
+        try:
+            with tempfile.TemporaryDirectory() as work:
+                times = gpu_check._time_config(loop, "lowdiff-topk", Path(work), warm, timed, lowdiff)
+        finally:
+            sys.setswitchinterval(default)
+            for t in timers:
+                t.restore()
+        log(f"gil {preset} switch interval {interval * 1e3:.1f} ms: median step {statistics.median(times):.1f} ms "
+            f"({statistics.median(times) / statistics.median(base):.3f}x compression alone)")
+        for t in timers:
+            log("  " + t.summary())
+    # Replay: its decoding threads against the thread that applies (launches the optimizer's kernels).
+    import recovery
+    with tempfile.TemporaryDirectory() as work:
+        gpu_check._train_recorded(loop, Path(work) / "rec", 6 if cpu else 20, lowdiff)
+        for interval in (default, 0.0002):
+            sys.setswitchinterval(interval)
+            try:
+                fresh = loop.fresh_optimizer()
+                loop.sync()
+                t0 = time.perf_counter()
+                resumed = recovery.resume(str(Path(work) / "rec"), loop.model, fresh)
+                loop.sync()
+                wall = (time.perf_counter() - t0) * 1e3
+            finally:
+                sys.setswitchinterval(default)
+            log(f"gil {preset} resume at switch interval {interval * 1e3:.1f} ms: {wall:.0f} ms for {resumed.replayed} "
+                f"records; load {resumed.load_s * 1e3:.0f} ms, decode {resumed.decode_s * 1e3:.0f} (summed over "
+                f"workers), apply {resumed.apply_s * 1e3:.0f}, replay wall {resumed.replay_s * 1e3:.0f} ms")
 
 
 def part_full(cpu: bool) -> None:
@@ -152,7 +204,7 @@ def part_replay(cpu: bool) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--parts", default="topk,full,replay")
+    ap.add_argument("--parts", default="topk,full,replay,gil")
     ap.add_argument("--preset", default="350m")
     args = ap.parse_args()
     gpu_check.ensure_zstandard()
@@ -163,6 +215,8 @@ def main() -> int:
         try:
             if part == "topk":
                 part_topk(args.preset, args.cpu)
+            elif part == "gil":
+                part_gil(args.preset, args.cpu)
             elif part == "full":
                 part_full(args.cpu)
             elif part == "replay":

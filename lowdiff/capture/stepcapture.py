@@ -22,7 +22,7 @@ from lowdiff.format.fullckpt import hidden_parameters
 from lowdiff.format.records import StepRecord
 from lowdiff.format.schema import TrainedWith
 from lowdiff.step import boundary as capture
-from lowdiff.step.compress import Compressed, decompress_into
+from lowdiff.step.compress import Compressed, compress_all, decompress_into
 
 NO_GRAD = Compressed("none", 0, None)   # the record of a parameter without a gradient
 
@@ -121,21 +121,21 @@ class StepCapture:
         for slot, p in enumerate(self.params):   # before any gradient or residual changes
             if p.grad is not None and p.grad.is_sparse:
                 raise TypeError(f"parameter {self.param_names[slot]!r} has a sparse gradient; not supported")
-        out = []
-        for slot, p in enumerate(self.params):
-            if p.grad is None or slot in self._recorded_elsewhere:
-                out.append(NO_GRAD)
-                continue
-            # A DTensor's gradient is recorded as its local chunk (what this rank's optimizer consumes).
-            compressed = self._recorder.compress(local_chunk(p.grad), slot, self.residuals)
-            # Under DDP the comm hook already produced the gradient: it is recorded unchanged.
-            if self._recorder is self.compressor:
+        # A DTensor's gradient is recorded as its local chunk (what this rank's optimizer consumes).
+        grads = [None if p.grad is None or slot in self._recorded_elsewhere else local_chunk(p.grad)
+                 for slot, p in enumerate(self.params)]
+        out = compress_all(self._recorder, grads, self.residuals)
+        # Under DDP the comm hook already produced the gradient: it is recorded unchanged.
+        if self._recorder is self.compressor:
+            error_feedback = self.compressor.error_feedback
+            for grad, compressed in zip(grads, out):
+                if compressed is None:
+                    continue
                 if compressed.kind == "sparse":
-                    decompress_into(compressed, local_chunk(p.grad))
-                elif self.compressor.error_feedback:
-                    local_chunk(p.grad).view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
-            out.append(compressed)
-        return out
+                    decompress_into(compressed, grad)
+                elif error_feedback:
+                    grad.view(-1).copy_(compressed.values)  # dense with error feedback: grad+residual
+        return [NO_GRAD if compressed is None else compressed for compressed in out]
 
     # ------------------------------------------------------------ after the optimizer step
     def record(self, step: int, skipped: bool, grads: list | None, groups_used: list) -> StepRecord:

@@ -131,13 +131,50 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     # .data is memoryview(array); numpy's stubs declare no buffer protocol before Python 3.12.
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_VIEWABLE and tensor.is_contiguous():
+        # numpy views take no torch call: on the writer thread each torch call lets go of the GIL
+        # and may wait a whole switch interval to get it back from a busy training thread.
+        return tensor.numpy().reshape(-1).view(np.uint8).data
     return tensor.contiguous().view(-1).view(torch.uint8).numpy().data
 
 
+# dtypes whose CPU tensors numpy can view as they are (bfloat16 has no numpy dtype).
+_NUMPY_VIEWABLE = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int16,
+                             torch.int32, torch.int64, torch.bool})
+
+
 def _on_cpu(tensors: list) -> torch.Tensor:
-    """The 1-D tensors back to back, on the CPU (one concatenation, one device transfer)."""
-    joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0].reshape(-1)
-    return joined.cpu()
+    """The 1-D tensors back to back, on the CPU (one concatenation, one device transfer; none
+    when they already lie back to back)."""
+    joined = _adjacent(tensors)
+    if joined is None:
+        joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0].reshape(-1)
+    return joined if joined.device.type == "cpu" else joined.cpu()
+
+
+def _adjacent(tensors: list) -> torch.Tensor | None:
+    """One view of the 1-D ``tensors`` when they lie back to back in one storage, in order (a GPU
+    record's pinned host copy, lowdiff.capture.devicecopy; a batch of dense gradients copied at
+    once), else None. Reading them in place saves the writer a copy of the record's bytes.
+    Every start must follow the previous end; the first and the last must share a storage, so
+    the view stays inside that storage whatever lies between."""
+    if len(tensors) < 2 or any(t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    tensors = [t for t in tensors if t.numel()]   # an empty one adds no bytes (and has no place)
+    if not tensors:
+        return None
+    first, last = tensors[0], tensors[-1]
+    dtype, device, itemsize = first.dtype, first.device, first.element_size()
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or not t.is_contiguous():
+            return None
+        end += t.numel() * itemsize
+    storage = first.untyped_storage()
+    if last.device != device or last.untyped_storage().data_ptr() != storage.data_ptr():
+        return None
+    numel = (end - first.data_ptr()) // itemsize
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, first.storage_offset(), (numel,))
 
 
 def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:

@@ -19,6 +19,10 @@ class Dense:
         flat = grad.detach().reshape(-1)
         return Compressed("dense", flat.numel(), flat.clone())
 
+    def stores_whole(self, numel: int) -> bool:
+        """Whether ``compress`` of a gradient of ``numel`` elements is a plain copy of it."""
+        return True
+
     @property
     def error_feedback(self) -> bool:
         return False
@@ -44,6 +48,10 @@ class TopK:
         if self.min_numel < 1:
             raise ValueError(f"TopK.min_numel={self.min_numel} must be >= 1")
 
+    def stores_whole(self, numel: int) -> bool:
+        """Whether ``compress`` of a gradient of ``numel`` elements is a plain copy of it."""
+        return numel < self.min_numel and not self.error_feedback
+
     def compress(self, grad: torch.Tensor, residual_slot: int, residuals: dict[int, torch.Tensor]) -> Compressed:
         flat = grad.detach().reshape(-1)
         numel = flat.numel()
@@ -67,6 +75,32 @@ class TopK:
         return Compressed("sparse", numel, values, picked, sorted=False)
 
 
+def compress_all(compressor, grads: list, residuals: dict) -> list:
+    """``compressor.compress(grad, slot, residuals)`` of each gradient, ``slot`` its position in
+    ``grads`` (None: no gradient; None out). The gradients the compressor stores whole (its
+    ``stores_whole``, where it has one) are copied by one concatenation per device and dtype
+    instead of one clone each, and recorded as views of that copy: the same values, so the same
+    bytes. On a GPU each clone is a kernel launch from the training thread (a 350M GPT has ~150
+    tensors below TopK's ``min_numel``), and a record whose values lie back to back is written
+    without being joined again (lowdiff.format.records)."""
+    stores_whole = getattr(compressor, "stores_whole", None)
+    out: list = []
+    whole: dict = {}   # (device, dtype) -> [(slot, flat gradient)]
+    for slot, grad in enumerate(grads):
+        if grad is not None and stores_whole is not None and stores_whole(grad.numel()):
+            flat = grad.detach().reshape(-1)
+            whole.setdefault((flat.device, flat.dtype), []).append((slot, flat))
+            out.append(None)
+        else:
+            out.append(None if grad is None else compressor.compress(grad, slot, residuals))
+    for items in whole.values():
+        flats = [flat for _, flat in items]
+        copies = torch.cat(flats).split([f.numel() for f in flats]) if len(flats) > 1 else [flats[0].clone()]
+        for (slot, flat), copy in zip(items, copies):
+            out[slot] = Compressed("dense", flat.numel(), copy)
+    return out
+
+
 def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
     """Write the gradient ``record`` stands for into ``out`` (flat view of a gradient tensor)."""
     flat = out.view(-1)
@@ -79,5 +113,10 @@ def decompress_into(record: Compressed, out: torch.Tensor) -> torch.Tensor:
         assert record.indices is not None and record.values is not None
         # Indices are unique: a plain scatter, deterministic, no atomics. Records read from disk
         # live on the CPU; a CUDA gradient needs them on its device.
-        flat.index_copy_(0, record.indices.to(device=flat.device, dtype=torch.int64), record.values.to(flat.device))
+        indices, values = record.indices, record.values
+        if indices.dtype != torch.int64 or indices.device != flat.device:   # a call saved per tensor when not
+            indices = indices.to(device=flat.device, dtype=torch.int64)
+        if values.device != flat.device:
+            values = values.to(flat.device)
+        flat.index_copy_(0, indices, values)
     return out

@@ -242,6 +242,10 @@ def test_unsorted_sparse_gradients_are_sorted_on_the_device_into_the_same_record
         assert after.sorted and after.indices.dtype == torch.int32
         assert torch.equal(after.indices, before.indices.sort().values.to(torch.int32))
         assert torch.equal(after.values, before.values[before.indices.argsort()])
+    # Each dtype's host copy holds its gradients back to back in parameter order: the encoder
+    # writes them from there without joining them again.
+    floats = [g.values for g in out if g.values is not None and g.values.dtype == torch.float32]
+    assert all(b.data_ptr() == a.data_ptr() + a.numel() * 4 for a, b in zip(floats, floats[1:]))
     # What reaches the disk is what the writer's own sort would have written.
     original = encode_record(StepRecord(7, False, grads, {"lr": 0.1}))
     on_device = encode_record(StepRecord(7, False, out, {"lr": 0.1}))

@@ -154,6 +154,29 @@ def test_dense_values_decoded_from_their_own_buffer_join_without_a_copy():
         assert update.values.data_ptr() == record.grads[0].values.data_ptr()   # one view, no concatenation
 
 
+def test_values_lying_back_to_back_are_written_in_place_with_the_same_bytes():
+    from lowdiff.format.records import _adjacent, _on_cpu
+    joined = torch.randn(40)
+    pieces = list(joined.split([7, 0, 13, 20]))
+    view = _adjacent(pieces)
+    assert view is not None and view.data_ptr() == joined.data_ptr() and torch.equal(view, joined)
+    assert _on_cpu(pieces).data_ptr() == joined.data_ptr()                  # no copy
+    apart = [joined[:7], joined[8:20]]                                       # a gap
+    swapped = [pieces[2], pieces[0]]                                         # out of order
+    other = [joined[:7], torch.randn(13)]                                    # two storages
+    mixed = [joined[:7], joined[7:20].view(torch.int32)]                    # two dtypes
+    for case in (apart, swapped, other, mixed[:1]):
+        assert _adjacent(case) is None
+    assert _adjacent(mixed) is None
+    assert torch.equal(_on_cpu(apart), torch.cat(apart)) and _on_cpu(apart).data_ptr() != joined.data_ptr()
+    # A record whose values are views of one buffer encodes to the bytes of one whose values are not.
+    dense = [Compressed("dense", 7, pieces[0]), Compressed("dense", 13, pieces[2]),
+             Compressed("dense", 20, pieces[3])]
+    copies = [Compressed("dense", g.numel, g.values.clone()) for g in dense]
+    first, second = (b"".join(map(bytes, encode_record(StepRecord(2, False, g, {})))) for g in (dense, copies))
+    assert first == second
+
+
 @SETTINGS
 @given(sparse_grads())
 def test_delta_encoded_indices_round_trip_exactly(grad):
