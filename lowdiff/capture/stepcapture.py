@@ -129,7 +129,7 @@ class StepCapture:
         if self._recorder is self.compressor:
             error_feedback = self.compressor.error_feedback
             for grad, compressed in zip(grads, out):
-                if compressed is None:
+                if compressed is None or grad is None:
                     continue
                 if compressed.kind == "sparse":
                     decompress_into(compressed, grad)

@@ -9,6 +9,48 @@ import numpy as np
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+ctypedef fused index_t:
+    int32_t
+    int64_t
+
+
+def flat_positions(const index_t[::1] sparse_indices, const int64_t[::1] counts, const int64_t[::1] offsets,
+                   const unsigned char[::1] dense):
+    """Where a record's values go in a flat buffer of gradients: gradient t has ``counts[t]``
+    values for the slot at ``offsets[t]``, all of it when ``dense[t]``, else at its indices (the
+    next ``counts[t]`` of ``sparse_indices``, which the sparse gradients hold back to back). One
+    int64 array in one pass without the GIL (lowdiff.step.apply, on replay's decoding threads:
+    a numpy call per gradient took the GIL back hundreds of times a record)."""
+    cdef Py_ssize_t n = counts.shape[0], t, i, total = 0, used = 0, at = 0, k = 0
+    if offsets.shape[0] != n or dense.shape[0] != n:
+        raise ValueError("flat_positions: counts, offsets and dense differ in length")
+    for t in range(n):
+        if counts[t] < 0:
+            raise ValueError("flat_positions: a negative count")
+        total += counts[t]
+        if not dense[t]:
+            used += counts[t]
+    if used != sparse_indices.shape[0]:
+        raise ValueError(f"flat_positions: {sparse_indices.shape[0]} sparse indices for {used} sparse values")
+    out = np.empty(total, dtype=np.int64)
+    if not total:
+        return out
+    cdef int64_t[::1] view = out
+    cdef int64_t base
+    with nogil:
+        for t in range(n):
+            base = offsets[t]
+            if dense[t]:
+                for i in range(counts[t]):
+                    view[at + i] = base + i
+            else:
+                for i in range(counts[t]):
+                    view[at + i] = base + sparse_indices[k + i]
+                k += counts[t]
+            at += counts[t]
+    return out
+
+
 cdef bint _store_u16(const int64_t *p, Py_ssize_t count, uint16_t *out) noexcept nogil:
     """Store the deltas as u16 and say whether they all fit. Each delta from its two neighbours
     and the check an OR of what lies above 16 bits (nothing carried between iterations but the
@@ -67,25 +109,42 @@ def encode_deltas(const int64_t[::1] indices, counts) -> tuple:
     return memoryview(out)[:pos], [4 if w else 2 for w in wide.tolist()]
 
 
-def decode_deltas(const unsigned char[::1] data, Py_ssize_t offset, Py_ssize_t nnz, int width,
-                  int64_t numel):
-    """The int32 indices of ``nnz`` deltas of ``width`` bytes at ``data[offset:]``, or None when
-    they do not describe indices that are sorted, unique and below ``numel`` (a corrupt record:
-    the caller says which). ``data`` must hold them (the caller checks the length)."""
-    if width != 2 and width != 4:
-        raise ValueError(f"decode_deltas: width {width}")
-    if offset < 0 or nnz < 0 or offset + nnz * width > data.shape[0]:
-        raise ValueError("decode_deltas: the deltas lie outside the data")
-    out = np.empty(nnz, dtype=np.int32)
-    if not nnz:
-        return out
+def decode_deltas_many(const unsigned char[::1] data, Py_ssize_t offset, const int64_t[::1] nnzs,
+                       const int64_t[::1] widths, const int64_t[::1] numels):
+    """The int32 indices of several tensors' deltas lying back to back from ``data[offset:]``
+    (tensor t: ``nnzs[t]`` deltas of ``widths[t]`` bytes, restarting from 0), all in one array,
+    decoded in one pass without the GIL: ``(indices, -1)``, or ``(None, t)`` for the first tensor
+    ``t`` whose deltas do not describe indices sorted, unique and below ``numels[t]``. A record of
+    hundreds of tensors decoded one call each took the GIL back hundreds of times, and a decoding
+    thread beside one that launches GPU kernels waits for it at each."""
+    cdef Py_ssize_t n = nnzs.shape[0], t, total = 0, nbytes = 0, pos, at
+    if widths.shape[0] != n or numels.shape[0] != n:
+        raise ValueError("decode_deltas_many: nnzs, widths and numels differ in length")
+    for t in range(n):
+        if widths[t] != 2 and widths[t] != 4:
+            raise ValueError(f"decode_deltas_many: width {widths[t]}")
+        if nnzs[t] < 0:
+            raise ValueError("decode_deltas_many: a negative count")
+        total += nnzs[t]
+        nbytes += nnzs[t] * widths[t]
+    if offset < 0 or offset + nbytes > data.shape[0]:
+        raise ValueError("decode_deltas_many: the deltas lie outside the data")
+    out = np.empty(total, dtype=np.int32)
+    if not total:
+        return out, -1
     cdef int32_t[::1] view = out
-    cdef int32_t *indices = &view[0]
-    cdef const unsigned char *src = &data[offset]
-    cdef bint good
+    cdef const unsigned char *src = &data[0]
+    cdef int32_t *dst = &view[0]
+    cdef Py_ssize_t bad = -1
     with nogil:
-        good = _sum_deltas(src, nnz, width, numel, indices)
-    return out if good else None
+        pos, at = offset, 0
+        for t in range(n):
+            if nnzs[t] and not _sum_deltas(src + pos, nnzs[t], <int>widths[t], numels[t], dst + at):
+                bad = t
+                break
+            pos += nnzs[t] * widths[t]
+            at += nnzs[t]
+    return (out, -1) if bad < 0 else (None, bad)
 
 
 cdef bint _sum_deltas(const unsigned char *src, Py_ssize_t nnz, int width, int64_t numel,

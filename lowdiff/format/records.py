@@ -22,7 +22,7 @@ import zstandard
 import fastio
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format import tree
-from lowdiff.format._deltas import decode_deltas, encode_deltas
+from lowdiff.format._deltas import decode_deltas_many, encode_deltas
 from lowdiff.format.schema import FORMAT_VERSION, _Fields
 
 RECORD_MAGIC = b"LDRC"
@@ -127,54 +127,13 @@ def dtype_from_name(name: str, path: str) -> torch.dtype:
     return dtype
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    # .data is memoryview(array); numpy's stubs declare no buffer protocol before Python 3.12.
-    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_VIEWABLE and tensor.is_contiguous():
-        # numpy views take no torch call: on the writer thread each torch call lets go of the GIL
-        # and may wait a whole switch interval to get it back from a busy training thread.
-        return tensor.numpy().reshape(-1).view(np.uint8).data
-    return tensor.contiguous().view(-1).view(torch.uint8).numpy().data
-
-
-# dtypes whose CPU tensors numpy can view as they are (bfloat16 has no numpy dtype).
-_NUMPY_VIEWABLE = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int16,
-                             torch.int32, torch.int64, torch.bool})
-
-
 def _on_cpu(tensors: list) -> torch.Tensor:
     """The 1-D tensors back to back, on the CPU (one concatenation, one device transfer; none
     when they already lie back to back)."""
-    joined = _adjacent(tensors)
+    joined = tree.joined_in_place(tensors)
     if joined is None:
         joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0].reshape(-1)
     return joined if joined.device.type == "cpu" else joined.cpu()
-
-
-def _adjacent(tensors: list) -> torch.Tensor | None:
-    """One view of the 1-D ``tensors`` when they lie back to back in one storage, in order (a GPU
-    record's pinned host copy, lowdiff.capture.devicecopy; a batch of dense gradients copied at
-    once), else None. Reading them in place saves the writer a copy of the record's bytes.
-    Every start must follow the previous end; the first and the last must share a storage, so
-    the view stays inside that storage whatever lies between."""
-    if len(tensors) < 2 or any(t.dtype != tensors[0].dtype for t in tensors):
-        return None
-    tensors = [t for t in tensors if t.numel()]   # an empty one adds no bytes (and has no place)
-    if not tensors:
-        return None
-    first, last = tensors[0], tensors[-1]
-    dtype, device, itemsize = first.dtype, first.device, first.element_size()
-    end = first.data_ptr()
-    for t in tensors:
-        if t.data_ptr() != end or not t.is_contiguous():
-            return None
-        end += t.numel() * itemsize
-    storage = first.untyped_storage()
-    if last.device != device or last.untyped_storage().data_ptr() != storage.data_ptr():
-        return None
-    numel = (end - first.data_ptr()) // itemsize
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, first.storage_offset(), (numel,))
 
 
 def _sorted_sparse(sparse: list) -> tuple[np.ndarray, list]:
@@ -233,8 +192,8 @@ def _values_bytes(values: list) -> list:
     if not values:
         return []
     if all(v.dtype == values[0].dtype for v in values):
-        return [_raw_bytes(_on_cpu(values))]
-    return [_raw_bytes(v.reshape(-1).cpu()) for v in values]
+        return [tree.tensor_bytes(_on_cpu(values))]
+    return [tree.tensor_bytes(v.reshape(-1).cpu()) for v in values]
 
 
 def encode_record(record: StepRecord, compressor=None) -> list:
@@ -380,33 +339,69 @@ def _verified_body(view: memoryview, path: str, where: str, expected_step: int |
 
 def _decode_grads(meta: RecordMeta, structured: bytes, pos: int, region: torch.Tensor, path: str, where: str) -> list:
     """The gradients ``meta`` describes: values from ``region`` (the value bytes, see
-    ``_value_region``), index deltas from ``structured`` at ``pos``."""
+    ``_value_region``), index deltas from ``structured`` at ``pos``.
+
+    A few calls for the whole record, not a few per gradient: the values are one view split, the
+    indices one pass in C (``decode_deltas_many``). This runs on replay's decoding threads beside
+    the thread that applies, and each torch or C call lets go of the GIL and must get it back: on
+    a GPU machine, from a thread launching kernels all the time (a 350M record has ~300 tensors)."""
     raw_bytes = region.numel()
-    raw_pos, grads = 0, []
+    raw_pos = 0
+    placed: list = []   # per gradient: None (no gradient) or (its meta, dtype, value count, value byte offset)
+    sparse = []
     for grad in meta.grads:
         if grad.kind == "none":
-            grads.append(Compressed("none", grad.numel, None))
+            placed.append(None)
             continue
         dtype = dtype_from_name(grad.dtype, path)
         count = grad.nnz if grad.kind == "sparse" else grad.numel
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if raw_pos + nbytes > raw_bytes:
+        if raw_pos + count * dtype.itemsize > raw_bytes:
             raise CorruptCheckpointError(path, f"{where} describes more value bytes than its {raw_bytes}")
-        values = _values(region, raw_pos, nbytes, dtype)
-        raw_pos += nbytes
-        if grad.kind == "dense":
-            grads.append(Compressed("dense", grad.numel, values))
-            continue
-        if pos + grad.width * grad.nnz > len(structured):
-            raise CorruptCheckpointError(path, f"{where} describes more index deltas than it holds")
-        indices = decode_deltas(structured, pos, grad.nnz, grad.width, grad.numel)
-        pos += grad.width * grad.nnz
-        if indices is None:
-            raise CorruptCheckpointError(path, f"{where} has indices that are not sorted, unique and < {grad.numel}")
-        grads.append(Compressed("sparse", grad.numel, values, torch.from_numpy(indices)))
+        placed.append((grad, dtype, count, raw_pos))
+        raw_pos += count * dtype.itemsize
+        if grad.kind == "sparse":
+            sparse.append(grad)
     if raw_pos != raw_bytes:
         raise CorruptCheckpointError(path, f"{where} declares {raw_bytes} value bytes but describes {raw_pos}")
+    values = iter(_all_values(region, [p for p in placed if p is not None]))
+    indices = iter(_all_indices(structured, pos, sparse, path, where))
+    grads = []
+    for grad, p in zip(meta.grads, placed):
+        if p is None:
+            grads.append(Compressed("none", grad.numel, None))
+        elif grad.kind == "dense":
+            grads.append(Compressed("dense", grad.numel, next(values)))
+        else:
+            grads.append(Compressed("sparse", grad.numel, next(values), next(indices)))
     return grads
+
+
+def _all_values(region: torch.Tensor, placed: list) -> list:
+    """Each gradient's values, views of ``region``: one view split when they share a dtype (the
+    usual record), else one at a time (``_values``)."""
+    if not placed:
+        return []
+    dtype = placed[0][1]
+    if any(p[1] != dtype for p in placed):
+        return [_values(region, start, count * p_dtype.itemsize, p_dtype) for _, p_dtype, count, start in placed]
+    counts = [count for _, _, count, _ in placed]
+    return list(_values(region, 0, region.numel(), dtype).split(counts))
+
+
+def _all_indices(structured: bytes, pos: int, sparse: list, path: str, where: str) -> list:
+    """The sparse gradients' indices (int32 tensors), decoded from their deltas in one pass."""
+    if not sparse:
+        return []
+    nnzs = np.fromiter((g.nnz for g in sparse), dtype=np.int64, count=len(sparse))
+    widths = np.fromiter((g.width for g in sparse), dtype=np.int64, count=len(sparse))
+    if pos + int(np.dot(nnzs, widths)) > len(structured):
+        raise CorruptCheckpointError(path, f"{where} describes more index deltas than it holds")
+    numels = np.fromiter((g.numel for g in sparse), dtype=np.int64, count=len(sparse))
+    indices, bad = decode_deltas_many(structured, pos, nnzs, widths, numels)
+    if indices is None:
+        raise CorruptCheckpointError(path, f"{where} has indices that are not sorted, unique and < "
+                                           f"{sparse[bad].numel}")
+    return list(torch.from_numpy(indices).split(nnzs.tolist()))
 
 
 def _value_region(view: memoryview, start: int, nbytes: int, owned: bool) -> torch.Tensor:

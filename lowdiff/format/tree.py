@@ -6,6 +6,7 @@ import io
 import json
 import struct
 
+import numpy as np
 import torch
 
 _TENSOR_TAG = "__lowdiff_tensor__"
@@ -158,8 +159,8 @@ def dumps(obj) -> bytes:
         return _TORCH_FORMAT + buffer.getvalue()
     table = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
     head = json.dumps([skeleton, table], separators=(",", ":"), allow_nan=True).encode()
-    parts = [_JSON_FORMAT, _HEAD.pack(len(head)), head]
-    parts += [t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in tensors]
+    parts: list = [_JSON_FORMAT, _HEAD.pack(len(head)), head]
+    parts += [tensor_bytes(t) for t in tensors]
     return b"".join(parts)
 
 
@@ -192,3 +193,46 @@ def loads(data, path: str):
         return _decode(skeleton, tensors)
     except Exception as exc:  # torch and json raise several types for damaged input
         raise CorruptCheckpointError(path, f"cannot load stored objects: {type(exc).__name__}: {exc}") from None
+
+
+def joined_in_place(tensors: list) -> torch.Tensor | None:
+    """One view of the 1-D ``tensors`` when they lie back to back in one storage, in order (a GPU
+    record's pinned host copy, lowdiff.capture.devicecopy; a batch of dense gradients copied at
+    once), else None. Reading them in place saves the writer a copy of the record's bytes.
+    Every start must follow the previous end; the first and the last must share a storage, so
+    the view stays inside that storage whatever lies between."""
+    if len(tensors) < 2 or any(t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    tensors = [t for t in tensors if t.numel()]   # an empty one adds no bytes (and has no place)
+    if not tensors:
+        return None
+    first, last = tensors[0], tensors[-1]
+    dtype, device, itemsize = first.dtype, first.device, first.element_size()
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or not t.is_contiguous():
+            return None
+        end += t.numel() * itemsize
+    storage = first.untyped_storage()
+    if last.device != device or last.untyped_storage().data_ptr() != storage.data_ptr():
+        return None
+    numel = (end - first.data_ptr()) // itemsize
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, first.storage_offset(), (numel,), (1,))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor`` (any dtype, on the CPU) as a memoryview: a view where it is
+    contiguous."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    # .data is memoryview(array); numpy's stubs declare no buffer protocol before Python 3.12.
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_VIEWABLE and tensor.is_contiguous():
+        # numpy views take no torch call: on the writer thread each torch call lets go of the GIL
+        # and may wait a whole switch interval to get it back from a busy training thread.
+        return tensor.numpy().reshape(-1).view(np.uint8).data
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().data
+
+
+# dtypes whose CPU tensors numpy can view as they are (bfloat16 has no numpy dtype).
+_NUMPY_VIEWABLE = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int16,
+                             torch.int32, torch.int64, torch.bool})

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from lowdiff.errors import CorruptCheckpointError
+from lowdiff.format._deltas import flat_positions
 from lowdiff.format.records import StepRecord
+from lowdiff.format.tree import joined_in_place
 from lowdiff.step import boundary as capture
 from lowdiff.step.compress import decompress_into
 
@@ -129,15 +131,25 @@ def _back_to_back(values: list) -> torch.Tensor:
     concatenation."""
     if len(values) == 1:
         return values[0]
-    first = values[0]
-    storage = first.untyped_storage()
-    at = first.data_ptr()
-    for v in values:
-        if v.dtype != first.dtype or v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != at:
-            return torch.cat(values)
-        at += v.numel() * v.element_size()
-    total = sum(v.numel() for v in values)
-    return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (total,), (1,))
+    joined = joined_in_place(values)
+    return joined if joined is not None else torch.cat(values)
+
+
+def _buffer_indices(part: list) -> np.ndarray:
+    """The positions in the flat buffer of the values of ``part`` ([(slot, grad)] in layout order):
+    a dense gradient's whole slot, a sparse one's indices past its slot's offset. One C pass
+    whatever the number of gradients (a numpy call each let go of the GIL and took it back
+    hundreds of times a record, on replay's decoding threads beside the applying one)."""
+    count = len(part)
+    counts = np.fromiter((slot.numel if grad.kind == "dense" else grad.indices.numel() for slot, grad in part),
+                         dtype=np.int64, count=count)
+    offsets = np.fromiter((slot.offset for slot, _ in part), dtype=np.int64, count=count)
+    dense = np.fromiter((grad.kind == "dense" for _, grad in part), dtype=np.uint8, count=count)
+    sparse = [grad.indices.reshape(-1) for _, grad in part if grad.kind == "sparse"]
+    indices = _back_to_back(sparse).numpy() if sparse else np.empty(0, dtype=np.int64)
+    if indices.dtype not in (np.int32, np.int64):
+        indices = indices.astype(np.int64)
+    return flat_positions(np.ascontiguousarray(indices), counts, offsets, dense)
 
 
 class GradientBuffers:
@@ -190,15 +202,12 @@ class GradientBuffers:
 
     @staticmethod
     def _update(dtype: torch.dtype, numel: int, part: list) -> BufferUpdate:
-        values = [grad.values.reshape(-1) for _, grad in part]
         if not part:
             return BufferUpdate(torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.int64))
-        joined = _back_to_back(values)
+        joined = _back_to_back([grad.values if grad.values.dim() == 1 else grad.values.reshape(-1) for _, grad in part])
         if all(grad.kind == "dense" for _, grad in part) and joined.numel() == numel:
             return BufferUpdate(joined, None)   # every parameter dense: the values are the buffer
-        indices = [np.arange(slot.offset, slot.offset + slot.numel, dtype=np.int64) if grad.kind == "dense"
-                   else np.add(grad.indices.numpy(), slot.offset, dtype=np.int64) for slot, grad in part]
-        return BufferUpdate(joined, torch.from_numpy(np.concatenate(indices)))
+        return BufferUpdate(joined, torch.from_numpy(_buffer_indices(part)))
 
     def attach(self) -> None:
         """Allocate the buffers (once) and make every parameter's ``.grad`` its view of them."""

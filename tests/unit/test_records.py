@@ -155,10 +155,11 @@ def test_dense_values_decoded_from_their_own_buffer_join_without_a_copy():
 
 
 def test_values_lying_back_to_back_are_written_in_place_with_the_same_bytes():
-    from lowdiff.format.records import _adjacent, _on_cpu
+    from lowdiff.format.records import _on_cpu
+    from lowdiff.format.tree import joined_in_place
     joined = torch.randn(40)
     pieces = list(joined.split([7, 0, 13, 20]))
-    view = _adjacent(pieces)
+    view = joined_in_place(pieces)
     assert view is not None and view.data_ptr() == joined.data_ptr() and torch.equal(view, joined)
     assert _on_cpu(pieces).data_ptr() == joined.data_ptr()                  # no copy
     apart = [joined[:7], joined[8:20]]                                       # a gap
@@ -166,8 +167,8 @@ def test_values_lying_back_to_back_are_written_in_place_with_the_same_bytes():
     other = [joined[:7], torch.randn(13)]                                    # two storages
     mixed = [joined[:7], joined[7:20].view(torch.int32)]                    # two dtypes
     for case in (apart, swapped, other, mixed[:1]):
-        assert _adjacent(case) is None
-    assert _adjacent(mixed) is None
+        assert joined_in_place(case) is None
+    assert joined_in_place(mixed) is None
     assert torch.equal(_on_cpu(apart), torch.cat(apart)) and _on_cpu(apart).data_ptr() != joined.data_ptr()
     # A record whose values are views of one buffer encodes to the bytes of one whose values are not.
     dense = [Compressed("dense", 7, pieces[0]), Compressed("dense", 13, pieces[2]),
@@ -520,7 +521,7 @@ def reference_deltas(flat: np.ndarray, counts: list) -> tuple[bytes, list]:
 def test_index_deltas_match_the_format_definition_and_decode_back(tensors):
     """lowdiff.format._deltas against the format's definition: mixed widths, empty tensors, a tensor
     whose indices start high (its first delta is its first index)."""
-    from lowdiff.format._deltas import decode_deltas, encode_deltas
+    from lowdiff.format._deltas import decode_deltas_many, encode_deltas
     flats, counts = [], []
     for numel, count, seed in tensors:
         picked = np.random.default_rng(seed).choice(numel, size=min(count, numel), replace=False)
@@ -529,11 +530,10 @@ def test_index_deltas_match_the_format_definition_and_decode_back(tensors):
     flat = np.concatenate(flats)
     data, widths = encode_deltas(flat, counts)
     assert (bytes(data), widths) == reference_deltas(flat, counts)
-    pos = 0
-    for (numel, _, _), expected, width in zip(tensors, flats, widths):
-        got = decode_deltas(bytes(data), pos, expected.size, width, numel)
-        assert got.dtype == np.int32 and got.tolist() == expected.tolist()
-        pos += width * expected.size
+    numels = np.array([numel for numel, _, _ in tensors], dtype=np.int64)
+    got, bad = decode_deltas_many(bytes(data), 0, np.array(counts, dtype=np.int64), np.array(widths, dtype=np.int64),
+                                  numels)
+    assert bad == -1 and got.dtype == np.int32 and got.tolist() == flat.tolist()
 
 
 @pytest.mark.parametrize("indices, numel", [([3, 3], 10), ([4, 10], 10), ([0, 0], 2)])
@@ -587,3 +587,48 @@ def test_written_records_put_their_values_at_a_multiple_of_8_and_decode_in_place
 class _NewMemory:
     def take(self, nbytes):
         return fastio.aligned_buffer(nbytes)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 300), st.booleans(), st.sampled_from([torch.int32, torch.int64])),
+                min_size=1, max_size=12), st.integers(0, 2**32 - 1))
+def test_a_decoded_record_prepared_for_replay_places_every_value_where_the_naive_placement_does(shapes, seed):
+    """GradientBuffers.prepare builds a buffer's positions in one C pass (flat_positions) from the
+    values and indices a record decodes to (views of one buffer, split): the same int64 positions
+    and values as placing each gradient by itself, dense and sparse mixed, from a decoded record
+    and from one held in memory (int32 or int64 indices)."""
+    from lowdiff.step.apply import GradientBuffers
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.zeros(numel) for numel, _, _ in shapes]
+    grads = []
+    for numel, sparse, index_dtype in shapes:
+        if sparse:
+            count = 1 + int(torch.randint(numel, (1,), generator=gen))
+            indices = torch.randperm(numel, generator=gen)[:count].sort().values.to(index_dtype)
+            grads.append(Compressed("sparse", numel, torch.randn(count, generator=gen), indices))
+        else:
+            grads.append(Compressed("dense", numel, torch.randn(numel, generator=gen)))
+    record = StepRecord(3, False, grads, {})
+    offsets = np.cumsum([0] + [p.numel() for p in params[:-1]])
+    naive = np.concatenate([np.arange(o, o + g.numel) if g.kind == "dense" else g.indices.numpy() + o
+                            for g, o in zip(grads, offsets)]).astype(np.int64)
+    data = bytearray(encoded(record))
+    for source in (record, decode_record(memoryview(data), "mem", 0, owned=True)):
+        (update,) = GradientBuffers(params).prepare(source).updates
+        assert torch.equal(update.values, torch.cat([g.values for g in grads]))
+        if all(g.kind == "dense" for g in grads):
+            assert update.indices is None
+        else:
+            assert update.indices.dtype == torch.int64 and np.array_equal(update.indices.numpy(), naive)
+
+
+def test_index_deltas_decoded_in_one_pass_name_the_first_tensor_they_do_not_fit():
+    from lowdiff.format._deltas import decode_deltas_many, encode_deltas
+    indices = np.array([1, 5, 9, 0, 3, 70000, 70001], dtype=np.int64)
+    deltas, widths = encode_deltas(indices, [3, 2, 2])
+    counts, wide = np.array([3, 2, 2]), np.array(widths, dtype=np.int64)
+    decoded, bad = decode_deltas_many(bytes(deltas), 0, counts, wide, np.array([10, 4, 80000]))
+    assert bad == -1 and decoded.tolist() == indices.tolist() and decoded.dtype == np.int32
+    assert decode_deltas_many(bytes(deltas), 0, counts, wide, np.array([10, 3, 80000])) == (None, 1)   # 3 >= 3
+    with pytest.raises(ValueError, match="outside the data"):
+        decode_deltas_many(bytes(deltas)[:-1], 0, counts, wide, np.array([10, 4, 80000]))

@@ -1,0 +1,104 @@
+"""A differential's encoding (the writer thread) and its decoding for replay (a replay worker) on
+their own, and beside a thread that makes small torch calls nonstop, as a thread launching GPU
+kernels does: what the GIL hand-offs cost them (issue #25).
+
+Each torch, numpy or C call that lets go of the GIL must take it back, and beside a thread that
+holds it between short calls it may wait for it each time; so the codec's cost on a GPU machine
+grows with its number of calls, not its bytes. On one H100's host a 350M TopK record took the
+writer 67 ms to encode and a replay worker 120 ms to decode (docs/measurements.md), against a
+fraction of that alone here. CPU only, synthetic gradients in the GPT-2 layout (no model built).
+
+    python experiments/bench_codec_gil.py [--sizes 124m,350m] [--repeats 12]
+
+Prints, per size: encode and decode+prepare, median ms alone and beside the busy thread, and the
+ratio. Run it on two commits to compare them (the numbers are this machine's).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from lowdiff.format.records import Compressed, StepRecord, decode_record, encode_record
+from lowdiff.step.apply import GradientBuffers
+
+SIZES = {"124m": (12, 768), "350m": (24, 1024)}   # layers, width (GPT-2 small / medium)
+
+
+def gpt2_numels(layers: int, width: int, vocab: int = 50257, block: int = 1024) -> list:
+    numels = [vocab * width, block * width]
+    for _ in range(layers):
+        numels += [width, width, width * 3 * width, 3 * width, width * width, width,
+                   width, width, width * 4 * width, 4 * width, 4 * width * width, width]
+    return numels + [width, width]
+
+
+def topk_record(numels: list, ratio: float = 0.01, min_numel: int = 4096) -> StepRecord:
+    """A TopK(ratio) record as the GPU path hands it over: sorted int32 indices; values and indices
+    each back to back in one buffer (DeviceCopy.to_host places them so)."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [max(1, int(n * ratio)) if n >= min_numel else n for n in numels]
+    values = torch.randn(sum(counts), generator=gen).split(counts)
+    indices = [torch.randperm(n, generator=gen)[:c].sort().values.to(torch.int32)
+               for n, c in zip(numels, counts) if n >= min_numel]
+    joined = torch.cat(indices).split([i.numel() for i in indices])
+    picked = iter(joined)
+    grads = [Compressed("sparse", n, v, next(picked)) if n >= min_numel else Compressed("dense", n, v)
+             for n, v in zip(numels, values)]
+    return StepRecord(10, False, grads, {"groups_used": [{"lr": 1e-4}], "rng": torch.get_rng_state()})
+
+
+def busy(stop: threading.Event) -> None:
+    a = torch.zeros(4)
+    while not stop.is_set():
+        a.add_(1.0)   # a tiny torch call: lets go of the GIL and takes it back, as a kernel launch does
+
+
+def timed(fn, repeats: int, contended: bool) -> float:
+    times: list = []
+
+    def run():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    stop = threading.Event()
+    other = threading.Thread(target=busy, args=(stop,)) if contended else None
+    if other:
+        other.start()
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    stop.set()
+    if other:
+        other.join()
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="124m,350m")
+    ap.add_argument("--repeats", type=int, default=12)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"{'size':6} {'part':16} {'tensors':>7} {'alone ms':>9} {'busy ms':>9} {'ratio':>6}")
+    for size in args.sizes.split(","):
+        numels = gpt2_numels(*SIZES[size])
+        record = topk_record(numels)
+        data = b"".join(bytes(b) for b in encode_record(record))
+        buffers = GradientBuffers([torch.zeros(n) for n in numels])
+
+        def decode():
+            buffers.prepare(decode_record(memoryview(bytearray(data)), "mem", 0, owned=True))
+        for part, fn in (("encode", lambda: encode_record(record)), ("decode+prepare", decode)):
+            alone = timed(fn, args.repeats, False)
+            contended = timed(fn, args.repeats, True)
+            print(f"{size:6} {part:16} {len(numels):7d} {alone:9.1f} {contended:9.1f} {contended / alone:6.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
