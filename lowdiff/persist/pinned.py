@@ -107,6 +107,23 @@ class CudaRing:
         with torch.cuda.stream(self._stream(src.device)):
             dst.copy_(src, non_blocking=True)
 
+    def copy_all_async(self, destinations: list, sources: list) -> None:
+        """``copy_async`` of each pair, in one torch call per device: the persist thread issues a
+        full checkpoint's hundreds of copies while the training thread launches the next forward
+        pass, and each torch call lets go of the GIL and has to win it back from that thread."""
+        by_device: dict = {}
+        for dst, src in zip(destinations, sources):
+            pair = by_device.setdefault(src.device, ([], []))
+            pair[0].append(dst)
+            pair[1].append(src)
+        for device, (dsts, srcs) in by_device.items():
+            with torch.cuda.stream(self._stream(device)):
+                try:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                except (RuntimeError, TypeError):   # a torch that refuses lists across devices:
+                    for dst, src in zip(dsts, srcs):  # the same copies one call each (a redone
+                        dst.copy_(src, non_blocking=True)   # copy writes the same bytes)
+
     def record_done(self, device):
         event = torch.cuda.Event()
         event.record(self._stream(device))
@@ -221,8 +238,7 @@ class PinnedStaging:
     def _copy_direct(self, destinations: list, sources: list) -> None:
         """Every device tensor into its place in registered staging; returns once all landed."""
         self._ring.wait_marked()
-        for dst, src in zip(destinations, sources):
-            self._ring.copy_async(byte_view(dst), byte_view(src))
+        self._ring.copy_all_async([byte_view(dst) for dst in destinations], [byte_view(src) for src in sources])
         devices = sorted({src.device for src in sources}, key=str)
         for event in [self._ring.record_done(d) for d in devices]:
             event.synchronize()

@@ -87,6 +87,10 @@ class FakeRing:
         if self.eager:
             self.run(len(self.queue))
 
+    def copy_all_async(self, destinations, sources):
+        for dst, src in zip(destinations, sources):
+            self.copy_async(dst, src)
+
     def record_done(self, device):
         self.log.append(("record", len(self.queue)))
         return _Event(self, len(self.queue))
