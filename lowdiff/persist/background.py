@@ -86,10 +86,9 @@ class DiffWriter:
         is called (on the writer thread) once the record's tensors are no longer needed."""
         with self._room:
             while self._pending_steps >= self.max_pending_batches * self.controller.batch_steps:
-                # The writer closes a batch when a record arrives and finds ``batch_steps`` of them
-                # pending. If ``batch_steps`` shrank after the last arrival (a controller decision),
-                # the records it holds may already fill a batch and no arrival will come to say so:
-                # ask it to look again, or both threads wait for each other.
+                # The writer closes a batch when an arriving record finds ``batch_steps`` pending. If
+                # ``batch_steps`` shrank since (the controller), the records held may fill a batch
+                # already, and no arrival says so: ask it to look again, or both threads wait.
                 self._queue.put(_RECHECK)
                 self._room.wait()
             self._pending_steps += 1
@@ -108,9 +107,14 @@ class DiffWriter:
         self._queue.put(_BatchEnd(step))
 
     def seal(self) -> threading.Event:
-        """Close the current batch (write it even if partial); the event is set when it is durable."""
+        """Close the current batch (write it even if partial); the event is set when it is durable.
+        Nothing put and not yet durable: nothing to close, and the writer is not woken for it."""
         done = threading.Event()
-        self._queue.put(done)
+        with self._room:
+            if not self._pending_steps:
+                done.set()
+        if not done.is_set():
+            self._queue.put(done)
         return done
 
     def check(self) -> None:
@@ -172,8 +176,7 @@ class DiffWriter:
     def _encoded(self, record) -> list:
         if record.ready is not None:
             record.ready()   # its gradients' device-to-host copies have landed (capture.devicecopy)
-        encoded = self._encode(record)
-        self.controller.maybe_time_decode(encoded)  # the decode half of replay's cost
+        self.controller.maybe_time_decode(encoded := self._encode(record))  # the decode half of replay's cost
         return encoded
 
     def _without_covered(self, pending: list) -> list:
@@ -257,8 +260,8 @@ class _BackgroundCopy:
 
 
 class _Worker:
-    """One long-lived daemon thread that runs jobs in submission order. Starting a thread per
-    checkpoint would cost the training thread a GIL hand-off while the new thread boots."""
+    """One long-lived daemon thread running jobs in order (a thread per checkpoint would cost the
+    training thread a GIL hand-off while it boots)."""
 
     def __init__(self, name: str):
         self._name = name
@@ -321,8 +324,7 @@ class FullWriter:
         self.background_copy = background_copy
         self._snapshot = snapshot if snapshot is not None else Snapshot()
         # CUDA state: copied off the training thread through a bounded pinned ring (persist.pinned).
-        self._pinned = PinnedStaging() if torch.cuda.is_available() and self._snapshot.supports_device_copy \
-            else None
+        self._pinned = PinnedStaging() if torch.cuda.is_available() and self._snapshot.supports_device_copy else None
         if self._pinned is not None:
             self._snapshot.device_copy = self._pinned
         self._worker = _Worker("lowdiff-full-writer")
@@ -429,13 +431,11 @@ class FullWriter:
         self._worker.wait()
 
     def wait(self) -> None:
-        """``_quiesce``, then raise a background error."""
-        self._quiesce()
+        self._quiesce()   # then raise a background error
         self._errors.check()
 
     def check(self) -> None:
-        """Raise the background error, if any (every call)."""
-        self._errors.check()
+        self._errors.check()   # the background error, if any (every call)
 
     def close(self) -> None:
         """Training thread: ``wait``, end the worker thread, let staging go (page-locked for device

@@ -65,8 +65,12 @@ def test_full_only_flush_and_close_make_the_newest_step_durable(tmp_path):
     model, opt, sched, sampler = build()
     opt = wrap(str(directory), model, opt, sched, sampler,
                schedule=lowdiff.Fixed(full_every=5, batch_steps=BATCH_STEPS, differentials=False))
+    queued = []   # what the differential writer is handed: nothing to seal, so not even a wake-up
+    hand_over = opt._session.diffs._queue.put
+    opt._session.diffs._queue.put = lambda item: (queued.append(item), hand_over(item))[1]
     train_steps(model, opt, sched, sampler, 0, 7)
     assert opt.durable_step < 7 and not opt.stats()["differentials"]
+    assert opt.stats()["full_persist_count"] and queued == []
     opt.flush()
     assert opt.durable_step == 7
     train_steps(model, opt, sched, sampler, 7, 13)
