@@ -16,6 +16,7 @@ ratio. Run it on two commits to compare them (the numbers are this machine's).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import threading
 import time
@@ -49,6 +50,10 @@ def topk_record(numels: list, ratio: float = 0.01, min_numel: int = 4096) -> Ste
     grads = [Compressed("sparse", n, v, next(picked)) if n >= min_numel else Compressed("dense", n, v)
              for n, v in zip(numels, values)]
     return StepRecord(10, False, grads, {"groups_used": [{"lr": 1e-4}], "rng": torch.get_rng_state()})
+
+
+def decode_and_prepare(data: bytes, buffers: GradientBuffers) -> None:
+    buffers.prepare(decode_record(memoryview(bytearray(data)), "mem", 0, owned=True))
 
 
 def busy(stop: threading.Event) -> None:
@@ -91,9 +96,9 @@ def main() -> None:
         data = b"".join(bytes(b) for b in encode_record(record))
         buffers = GradientBuffers([torch.zeros(n) for n in numels])
 
-        def decode():
-            buffers.prepare(decode_record(memoryview(bytearray(data)), "mem", 0, owned=True))
-        for part, fn in (("encode", lambda: encode_record(record)), ("decode+prepare", decode)):
+        parts = (("encode", functools.partial(encode_record, record)),
+                 ("decode+prepare", functools.partial(decode_and_prepare, data, buffers)))
+        for part, fn in parts:
             alone = timed(fn, args.repeats, False)
             contended = timed(fn, args.repeats, True)
             print(f"{size:6} {part:16} {len(numels):7d} {alone:9.1f} {contended:9.1f} {contended / alone:6.2f}",
