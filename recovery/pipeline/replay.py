@@ -52,6 +52,12 @@ class ReplayTimes:
 # on one H100's 16-core host, 8 decoders each took 10x their time alone and replay ran no faster
 # than serial (docs/measurements.md has the replay time per record by worker count).
 GPU_REPLAY_WORKERS = 2
+# Records decoded ahead of the apply onto a GPU (WINDOW_BYTES still bounds their bytes). Built
+# before the full checkpoint loads, the pipeline decodes this many while it does: at 124M on an H100
+# the load took 455 ms and 20 TopK records decoded in about 10 ms each, of which a window of 8
+# (4 per worker, the CPU default) left 12 to decode after the load. Device memory is not the bound
+# there that a CPU's is.
+GPU_REPLAY_WINDOW = 32
 
 
 def default_workers() -> int:
@@ -162,7 +168,7 @@ class ReplayPipeline:
             workers = default_workers() if self.feed is None else min(default_workers(), GPU_REPLAY_WORKERS)
         workers = check_workers(workers)
         self.warn, self.base_step = warn, base_step
-        self.window = window or 4 * workers
+        self.window = window or (4 * workers if self.feed is None else GPU_REPLAY_WINDOW)
         self.times = times if times is not None else ReplayTimes()
         self.times.workers = workers
         self.tasks = _tasks(chain, base_step + 1, stop_step, warn)
@@ -227,8 +233,8 @@ def replay(chain: list, base_step: int, params: list, optimizer, *, warn, stop_s
            window: int | None = None, times: ReplayTimes | None = None):
     """Apply the records after ``base_step`` found in ``chain`` ([(entry, open BatchReader)]) with
     ``workers`` decoding threads (default: ``default_workers()``, at most GPU_REPLAY_WORKERS onto a
-    GPU) and at most ``window`` records in flight (default: 4 per worker; fewer when two or more
-    hold WINDOW_BYTES). Returns (last step, its record); adds timings to ``times``."""
+    GPU) and at most ``window`` records in flight (default: 4 per worker, GPU_REPLAY_WINDOW onto a
+    GPU; fewer when two or more hold WINDOW_BYTES). Returns (last step, its record); adds timings to ``times``."""
     return ReplayPipeline(chain, base_step, params, warn=warn, stop_step=stop_step, workers=workers, window=window,
                           times=times).run(optimizer)
 
