@@ -43,6 +43,11 @@ from lowdiff.format.records import Compressed
 _I32_LIMIT = 2**31 - 1   # indices of tensors up to this many elements travel as int32
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    # What compressors hand over is 1-D already: no torch call for it (hundreds per step).
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+
+
 class CopyEngine(abc.ABC):
     """The stream and event operations ``DeviceCopy`` needs (an interface): the CUDA one below, and a
     fake with the same methods that lets the CPU tests check the ordering
@@ -137,8 +142,8 @@ class DeviceCopy:
             items = [grads[p] for p in positions]
             counts = [g.indices.numel() for g in items]
             offsets = self._offsets(tuple((g.numel, c) for g, c in zip(items, counts)))
-            keys, order = torch.sort(torch.cat([g.indices.reshape(-1) for g in items]).to(torch.int64) + offsets)
-            values = torch.cat([g.values.reshape(-1) for g in items]).index_select(0, order)
+            keys, order = torch.sort(torch.cat([_flat(g.indices) for g in items]).to(torch.int64) + offsets)
+            values = torch.cat([_flat(g.values) for g in items]).index_select(0, order)
             indices = keys - offsets
             if max(g.numel for g in items) <= _I32_LIMIT:
                 indices = indices.to(torch.int32)
@@ -179,10 +184,11 @@ class DeviceCopy:
         pieces: dict = {}   # dtype -> flat tensors to join, in parameter order
         owners: dict = {}   # dtype -> [(position, field, numel, shape or None when 1-D)], same order
         for position, g in enumerate(grads):
-            parts = sorted_parts.get(position, (g.values, g.indices))
-            for field, t in zip(("values", "indices"), parts):
-                if t is not None and self._moved(t):
-                    flat = t if t.dim() == 1 else t.reshape(-1)
+            parts = sorted_parts.get(position)
+            on_device = parts is not None   # sorted here: on the device, 1-D
+            for field, t in zip(("values", "indices"), parts if on_device else (g.values, g.indices)):
+                if t is not None and (on_device or self._moved(t)):
+                    flat = _flat(t)
                     pieces.setdefault(t.dtype, []).append(flat)
                     owners.setdefault(t.dtype, []).append((position, field, t.numel(), None if flat is t else t.shape))
         if not pieces:
