@@ -184,9 +184,9 @@ class DeviceCopy:
         pieces: dict = {}   # dtype -> flat tensors to join, in parameter order
         owners: dict = {}   # dtype -> [(position, field, numel, shape or None when 1-D)], same order
         for position, g in enumerate(grads):
-            parts = sorted_parts.get(position)
-            on_device = parts is not None   # sorted here: on the device, 1-D
-            for field, t in zip(("values", "indices"), parts if on_device else (g.values, g.indices)):
+            on_device = position in sorted_parts   # sorted here: on the device, 1-D
+            parts = sorted_parts[position] if on_device else (g.values, g.indices)
+            for field, t in zip(("values", "indices"), parts):
                 if t is not None and (on_device or self._moved(t)):
                     flat = _flat(t)
                     pieces.setdefault(t.dtype, []).append(flat)
