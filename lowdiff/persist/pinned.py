@@ -120,9 +120,11 @@ class CudaRing:
             with torch.cuda.stream(self._stream(device)):
                 try:
                     torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                except (RuntimeError, TypeError):   # a torch that refuses lists across devices:
-                    for dst, src in zip(dsts, srcs):  # the same copies one call each (a redone
-                        dst.copy_(src, non_blocking=True)   # copy writes the same bytes)
+                except (RuntimeError, TypeError):
+                    # A torch that refuses lists across devices: the same copies, one call each (a
+                    # copy done twice writes the same bytes).
+                    for dst, src in zip(dsts, srcs):
+                        dst.copy_(src, non_blocking=True)
 
     def record_done(self, device):
         event = torch.cuda.Event()
