@@ -10,8 +10,10 @@ fraction of that alone here. CPU only, synthetic gradients in the GPT-2 layout (
 
     python experiments/bench_codec_gil.py [--sizes 124m,350m] [--repeats 12]
 
-Prints, per size: encode and decode+prepare, median ms alone and beside the busy thread, and the
-ratio. Run it on two commits to compare them (the numbers are this machine's).
+Prints, per size: encode and decode+prepare, median ms alone and beside the busy thread, the
+ratio, and the busy thread's pace meanwhile against its pace alone (what the codec takes from a
+launching thread: 1.00 takes nothing). Run it on two commits to compare them (the numbers are this
+machine's).
 """
 from __future__ import annotations
 
@@ -52,17 +54,35 @@ def topk_record(numels: list, ratio: float = 0.01, min_numel: int = 4096) -> Ste
     return StepRecord(10, False, grads, {"groups_used": [{"lr": 1e-4}], "rng": torch.get_rng_state()})
 
 
-def decode_and_prepare(data: bytes, buffers: GradientBuffers) -> None:
-    buffers.prepare(decode_record(memoryview(bytearray(data)), "mem", 0, owned=True))
+def decode_and_prepare(copies: list, buffers: GradientBuffers) -> None:
+    # A fresh copy of the record each time (decoding an owned buffer may move its bytes), made
+    # before the timing: a replay worker reads it from a file, it does not copy it under the GIL.
+    buffers.prepare(decode_record(memoryview(copies.pop()), "mem", 0, owned=True))
 
 
-def busy(stop: threading.Event) -> None:
+def busy(stop: threading.Event, calls: list) -> None:
     a = torch.zeros(4)
+    started, count = time.perf_counter(), 0
     while not stop.is_set():
         a.add_(1.0)   # a tiny torch call: lets go of the GIL and takes it back, as a kernel launch does
+        count += 1
+    calls.append(count / (time.perf_counter() - started))
 
 
-def timed(fn, repeats: int, contended: bool) -> float:
+def busy_rate(seconds: float = 1.0) -> float:
+    """Calls a second of the busy thread alone (the launching thread's pace without the codec)."""
+    stop, calls = threading.Event(), []
+    other = threading.Thread(target=busy, args=(stop, calls))
+    other.start()
+    time.sleep(seconds)
+    stop.set()
+    other.join()
+    return calls[0]
+
+
+def timed(fn, repeats: int, contended: bool) -> tuple[float, float | None]:
+    """Median ms of ``fn`` on a worker thread, alone or beside the busy thread; and the busy
+    thread's calls a second meanwhile (None alone)."""
     times: list = []
 
     def run():
@@ -70,8 +90,8 @@ def timed(fn, repeats: int, contended: bool) -> float:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    stop = threading.Event()
-    other = threading.Thread(target=busy, args=(stop,)) if contended else None
+    stop, calls = threading.Event(), []
+    other = threading.Thread(target=busy, args=(stop, calls)) if contended else None
     if other:
         other.start()
     worker = threading.Thread(target=run)
@@ -80,7 +100,7 @@ def timed(fn, repeats: int, contended: bool) -> float:
     stop.set()
     if other:
         other.join()
-    return statistics.median(times[1:]) * 1e3
+    return statistics.median(times[1:]) * 1e3, calls[0] if calls else None
 
 
 def main() -> None:
@@ -89,20 +109,27 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"{'size':6} {'part':16} {'tensors':>7} {'alone ms':>9} {'busy ms':>9} {'ratio':>6}")
+    alone_rate = busy_rate()
+    print(f"busy thread alone: {alone_rate:,.0f} calls/s (the launching thread's pace the codec takes from)")
+    print(f"{'size':6} {'part':16} {'tensors':>7} {'alone ms':>9} {'busy ms':>9} {'ratio':>6} {'busy pace':>9}")
     for size in args.sizes.split(","):
         numels = gpt2_numels(*SIZES[size])
         record = topk_record(numels)
         data = b"".join(bytes(b) for b in encode_record(record))
         buffers = GradientBuffers([torch.zeros(n) for n in numels])
 
-        parts = (("encode", functools.partial(encode_record, record)),
-                 ("decode+prepare", functools.partial(decode_and_prepare, data, buffers)))
-        for part, fn in parts:
-            alone = timed(fn, args.repeats, False)
-            contended = timed(fn, args.repeats, True)
-            print(f"{size:6} {part:16} {len(numels):7d} {alone:9.1f} {contended:9.1f} {contended / alone:6.2f}",
-                  flush=True)
+        for part in ("encode", "decode+prepare"):
+            if part == "encode":
+                alone, _ = timed(functools.partial(encode_record, record), args.repeats, False)
+                contended, rate = timed(functools.partial(encode_record, record), args.repeats, True)
+            else:
+                alone, _ = timed(functools.partial(decode_and_prepare, [bytearray(data) for _ in range(args.repeats)],
+                                                   buffers), args.repeats, False)
+                contended, rate = timed(functools.partial(decode_and_prepare, [bytearray(data) for _ in
+                                                                               range(args.repeats)], buffers),
+                                        args.repeats, True)
+            print(f"{size:6} {part:16} {len(numels):7d} {alone:9.1f} {contended:9.1f} {contended / alone:6.2f} "
+                  f"{rate / alone_rate:9.2f}", flush=True)
 
 
 if __name__ == "__main__":
