@@ -130,9 +130,7 @@ def dtype_from_name(name: str, path: str) -> torch.dtype:
 def _on_cpu(tensors: list) -> torch.Tensor:
     """The 1-D tensors back to back, on the CPU (one concatenation, one device transfer; none
     when they already lie back to back)."""
-    joined = tree.joined_in_place(tensors)
-    if joined is None:
-        joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0].reshape(-1)
+    joined = tree.joined(tensors)
     return joined if joined.device.type == "cpu" else joined.cpu()
 
 

@@ -195,6 +195,15 @@ def loads(data, path: str):
         raise CorruptCheckpointError(path, f"cannot load stored objects: {type(exc).__name__}: {exc}") from None
 
 
+def joined(tensors: list) -> torch.Tensor:
+    """The 1-D ``tensors`` as one: a view where they lie back to back in one storage
+    (``joined_in_place``), else one concatenation."""
+    if len(tensors) == 1:
+        return tensors[0] if tensors[0].dim() == 1 else tensors[0].reshape(-1)
+    view = joined_in_place(tensors)
+    return view if view is not None else torch.cat(tensors)
+
+
 def joined_in_place(tensors: list) -> torch.Tensor | None:
     """One view of the 1-D ``tensors`` when they lie back to back in one storage, in order (a GPU
     record's pinned host copy, lowdiff.capture.devicecopy; a batch of dense gradients copied at

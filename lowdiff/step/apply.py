@@ -24,7 +24,7 @@ import torch
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format._deltas import flat_positions
 from lowdiff.format.records import StepRecord
-from lowdiff.format.tree import joined_in_place
+from lowdiff.format.tree import joined
 from lowdiff.step import boundary as capture
 from lowdiff.step.compress import decompress_into
 
@@ -125,16 +125,6 @@ class _FlatBuffer:
             self.dirty = _ALL
 
 
-def _back_to_back(values: list) -> torch.Tensor:
-    """The 1-D tensors ``values`` joined: a view when they already lie back to back in one storage
-    (a record decoded from a buffer handed over: lowdiff.format.records.decode_record), else one
-    concatenation."""
-    if len(values) == 1:
-        return values[0]
-    joined = joined_in_place(values)
-    return joined if joined is not None else torch.cat(values)
-
-
 def _buffer_indices(part: list) -> np.ndarray:
     """The positions in the flat buffer of the values of ``part`` ([(slot, grad)] in layout order):
     a dense gradient's whole slot, a sparse one's indices past its slot's offset. One C pass
@@ -146,7 +136,7 @@ def _buffer_indices(part: list) -> np.ndarray:
     offsets = np.fromiter((slot.offset for slot, _ in part), dtype=np.int64, count=count)
     dense = np.fromiter((grad.kind == "dense" for _, grad in part), dtype=np.uint8, count=count)
     sparse = [grad.indices.reshape(-1) for _, grad in part if grad.kind == "sparse"]
-    indices = _back_to_back(sparse).numpy() if sparse else np.empty(0, dtype=np.int64)
+    indices = joined(sparse).numpy() if sparse else np.empty(0, dtype=np.int64)
     if indices.dtype not in (np.int32, np.int64):
         indices = indices.astype(np.int64)
     return flat_positions(np.ascontiguousarray(indices), counts, offsets, dense)
@@ -204,10 +194,10 @@ class GradientBuffers:
     def _update(dtype: torch.dtype, numel: int, part: list) -> BufferUpdate:
         if not part:
             return BufferUpdate(torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.int64))
-        joined = _back_to_back([grad.values if grad.values.dim() == 1 else grad.values.reshape(-1) for _, grad in part])
-        if all(grad.kind == "dense" for _, grad in part) and joined.numel() == numel:
-            return BufferUpdate(joined, None)   # every parameter dense: the values are the buffer
-        return BufferUpdate(joined, torch.from_numpy(_buffer_indices(part)))
+        values = joined([grad.values if grad.values.dim() == 1 else grad.values.reshape(-1) for _, grad in part])
+        if all(grad.kind == "dense" for _, grad in part) and values.numel() == numel:
+            return BufferUpdate(values, None)   # every parameter dense: the values are the buffer
+        return BufferUpdate(values, torch.from_numpy(_buffer_indices(part)))
 
     def attach(self) -> None:
         """Allocate the buffers (once) and make every parameter's ``.grad`` its view of them."""
