@@ -28,6 +28,13 @@ Configurations (``--configs`` selects a subset; each starts from a fresh model a
                  differentials (Fixed(differentials=False)), against plain: the full checkpoint's
                  cost without TopK's step-to-step spread, which at gpt2-124m (torch.topk of 124M
                  gradients) is larger than the cost
+  floor-copy5    no lowdiff: plain training, and every 5 steps the state is copied with its CRC-32C
+                 into reused, pre-faulted staging (fastio.copy_regions, the copy lowdiff makes) on a
+                 thread of this script while the next forward/backward runs; the next optimizer
+                 step waits for it. What any design that snapshots the state by copying it pays,
+                 with none of lowdiff's bookkeeping: the floor lowdiff-full5-only is judged against
+  floor-write5   the same, and the staging then written to one file by fastio.Writer (O_DIRECT,
+                 registered, fsync, rename): the copy and the write with nothing else
 
 The iteration time covers forward, backward, compression (topk-base*), opt.step(), the checkpoint
 call (save-*, dcp-*) and zero_grad(). Work left at the end (lowdiff close(), the last DCP future)
@@ -85,15 +92,17 @@ STALL_FULL_EVERY = 5
 MEMCPY_REPS = 5
 
 ALL_CONFIGS = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10",
-               "lowdiff-dense", "dcp-async", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
+               "lowdiff-dense", "dcp-async", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only",
+               "floor-copy5", "floor-write5")
 LOWDIFF_CONFIGS = ("lowdiff-topk", "lowdiff-dense", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
 # a full checkpoint every STALL_FULL_EVERY steps
-FULL5_CONFIGS = ("lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
+FULL5_CONFIGS = ("lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only", "floor-copy5", "floor-write5")
+FLOOR_CONFIGS = ("floor-copy5", "floor-write5")   # the copy (and write) alone, no lowdiff
 INTERLEAVABLE = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10")
 BASELINE_OF = {
     "plain": None, "topk-base": None, "topk-base-mn": None,
     "lowdiff-topk": "topk-base", "lowdiff-full5": "topk-base", "lowdiff-full5-instep": "topk-base",
-    "lowdiff-dense": "plain", "lowdiff-full5-only": "plain",
+    "lowdiff-dense": "plain", "lowdiff-full5-only": "plain", "floor-copy5": "plain", "floor-write5": "plain",
     "save-1": "plain", "save-10": "plain", "dcp-async": "plain",
 }
 LABEL = {
@@ -108,6 +117,8 @@ LABEL = {
     "lowdiff-full5": "lowdiff TopK(0.01) full_every=5",
     "lowdiff-full5-instep": "  same, full copy in step()",
     "lowdiff-full5-only": "lowdiff Dense, full_every=5, no diffs",
+    "floor-copy5": "floor: copy+CRC every 5, no lowdiff",
+    "floor-write5": "floor: copy+CRC+write every 5",
 }
 
 TARGET_TOPK_OVERHEAD_PCT = 2.0
@@ -235,6 +246,65 @@ def memcpy_state_ms(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple
     return statistics.median(times), sum(t.numel() * t.element_size() for t in src)
 
 
+class FloorCopy:
+    """floor-copy5 / floor-write5: the state copied with its checksums into reused staging on a
+    worker thread (the GIL is released for the whole copy), optionally written to ``path``;
+    ``wait`` blocks until the last one ended. The least any copy-based snapshot does."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path | None) -> None:
+        import queue
+        import threading
+        self._model, self._opt, self._path = model, opt, path
+        self._buffer = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._done.set()
+        self._thread = threading.Thread(target=self._run, name="floor-copy", daemon=True)
+        self._thread.start()
+
+    def start(self) -> None:
+        import fastio
+        sources = state_tensors(self._model, self._opt)   # AdamW's state exists after the first step
+        sizes = [t.numel() * t.element_size() for t in sources]
+        offsets, end = [], 0
+        for n in sizes:                                    # 64-byte aligned places, as lowdiff lays them
+            offsets.append(end)
+            end += -(-n // 64) * 64
+        if self._buffer is None or self._buffer.capacity_bytes < end:
+            self._buffer = fastio.aligned_buffer(end, populate=True)
+            if self._path is not None:
+                fastio.engine().register_buffer(self._buffer)
+        self._done.clear()
+        self._jobs.put(([self._buffer.address + o for o in offsets], [t.data_ptr() for t in sources], sizes, end))
+
+    def _run(self) -> None:
+        import fastio
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            destinations, sources, sizes, end = job
+            try:
+                fastio.copy_regions(destinations, sources, sizes, checksums=True)
+                if self._path is not None:
+                    with fastio.Writer(self._path, size_hint=end) as writer:
+                        writer.write(self._buffer.view(0, end))
+                        writer.commit()
+            finally:
+                self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def close(self) -> None:
+        self.wait()
+        self._jobs.put(None)
+        self._thread.join()
+        if self._path is not None and self._buffer is not None:
+            import fastio
+            fastio.engine().register_buffer(None)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -346,6 +416,9 @@ class Trainer:
         self.dcp_handle = None
         self.dcp_timed_dirs: list[Path] = []
         self.sizes_warm: dict[str, int] = {}
+        self.floor = None
+        if name in FLOOR_CONFIGS:
+            self.floor = FloorCopy(self.model, self.raw_opt, run_dir / "state.bin" if name == "floor-write5" else None)
         self.seen: dict[str, int] = {}  # largest size of each file seen after warmup
         if name in LOWDIFF_CONFIGS:
             # Dense for full5-only: a compressor is part of the training (TopK changes the gradient the
@@ -361,6 +434,8 @@ class Trainer:
                                     schedule=schedule, options=lowdiff.Options(full_copy=full_copy))
 
     def _before_step(self) -> None:
+        if self.floor is not None:
+            self.floor.wait()   # the copy of the state before this step must have ended
         if self.name == "topk-base":
             topk_compress_(self.params, TOPK_RATIO)
         elif self.name == "topk-base-mn":
@@ -368,6 +443,8 @@ class Trainer:
 
     def _after_step(self, s: int) -> None:
         timed = s >= self.args.warmup
+        if self.floor is not None and (s + 1) % STALL_FULL_EVERY == 0:
+            self.floor.start()   # the phase at which lowdiff-full5* takes a full checkpoint
         if self.name in ("save-1", "save-10"):
             if (s + 1) % (1 if self.name == "save-1" else 10) == 0:
                 n = torch_save_fsync(self.model, self.raw_opt, self.run_dir / "ckpt.pt")
@@ -426,6 +503,8 @@ class Trainer:
             self.opt.close()
         elif self.name == "dcp-async":
             wait_dcp(self.dcp_handle)
+        elif self.floor is not None:
+            self.floor.close()
         run.finish_ms = (time.perf_counter() - t0) * 1e3
         if self.name in LOWDIFF_CONFIGS:
             self._sample_dir()
@@ -444,6 +523,9 @@ class Trainer:
 
     def abort(self) -> None:
         """Stop lowdiff's background work after an error; the first error is the one reported."""
+        if self.floor is not None:
+            with contextlib.suppress(Exception):
+                self.floor.close()
         if self.opt is not self.raw_opt:
             with contextlib.suppress(Exception):
                 self.opt.close()
