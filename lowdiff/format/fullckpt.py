@@ -7,6 +7,7 @@ thread while training goes on; see the class). fastio writes the buffer without 
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -94,6 +95,7 @@ class Snapshot:
         self._destinations = None  # (entries, staging views, their addresses, sizes) of the last copy
         self._staged = None        # (tensors, versions) between stage() and release_sources()
         self._checksums = None     # CRC-32C per entry with bytes, when the copy computed them
+        self._landing = None       # device copies still landing in staging (lowdiff.persist.pinned.Landing)
         self.meta: TrainedWith | None = None
         self._fixed: tuple | None = None   # (engine, buffer, accepted) of the last registration tried
 
@@ -143,14 +145,16 @@ class Snapshot:
                                   [e.nbytes for e in entries if e.nbytes])
         _, destinations, addresses, sizes = self._destinations
         sources = [tensor for entry, (_, tensor) in zip(entries, tensors) if entry.nbytes]
-        self._checksums = None
+        self._checksums = self._landing = None
         with torch.no_grad():
             if not sources:
                 pass
             elif not on_training_thread and self.device_copy is not None and any(
                     self.device_copy.handles(src) for src in sources):
-                # checksums: computed by persist(); the whole buffer, which may be page-locked once
-                self.device_copy.copy(destinations, sources, (self._buffer.address, self._buffer.capacity_bytes))
+                # checksums: computed by persist(), as the bytes land; the whole buffer, which may be
+                # page-locked once
+                self._landing = self.device_copy.copy(destinations, sources,
+                                                      (self._buffer.address, self._buffer.capacity_bytes))
             elif not on_training_thread:
                 # Plain memcpy on this thread without the GIL (torch's copy would use the intra-op
                 # thread pool, which the training thread is using right now), checksumming each
@@ -200,6 +204,35 @@ class Snapshot:
             if engine.registered is buffer:
                 engine.register_buffer(None)
 
+    def wait_landed(self) -> None:
+        """Until every byte a device copy puts in staging has landed (at once if none is in flight)."""
+        if self._landing is not None:
+            self._landing.wait_all()
+
+    def _landed_pieces(self, with_bytes: list):
+        """The payload as back-to-back page-aligned pieces, each yielded as soon as the device
+        copies below its end have landed (so the file is written while later chunks still cross
+        the link), each tensor's checksum computed once all its bytes are in."""
+        assert self._buffer is not None and self._landing is not None
+        checksums: list[int] = []
+        written = 0
+        last = self._landing.last_end
+        for boundary in itertools.chain(self._landing.boundaries(), (self.payload_bytes,)):
+            # Whole pages (each piece goes from staging to the disk without a copy), except at the
+            # end: nothing lands above the last boundary, so the rest of the payload goes with it.
+            end = self.payload_bytes if boundary >= min(last, self.payload_bytes) else boundary // PAGE * PAGE
+            done = len(checksums)
+            while done < len(with_bytes) and with_bytes[done].offset + with_bytes[done].nbytes <= end:
+                done += 1
+            if done > len(checksums):
+                regions = with_bytes[len(checksums):done]
+                checksums += fastio.crc32c_regions([self._buffer.address + e.offset for e in regions],
+                                                   [e.nbytes for e in regions])
+            if end > written:
+                yield self._buffer.view(written, end)
+                written = end
+        self._checksums = checksums
+
     def modified_since_stage(self) -> list[str]:
         """Keys of staged tensors modified in place since ``stage`` (by their version counters)."""
         tensors, versions = self._staged
@@ -242,36 +275,45 @@ class Snapshot:
             self.register_fixed(engine)
         objects = tree.dumps(self._skeleton)
         with_bytes = [e for e in self.entries if e.nbytes]
-        if self._checksums is None and with_bytes:   # the copy did not compute them: all in one call
+        pieces = None
+        if self._landing is not None and stripe is None and self.payload_bytes:
+            pieces = self._landed_pieces(with_bytes)   # sets the checksums as it goes
+        else:
+            self.wait_landed()
+        if pieces is None and self._checksums is None and with_bytes:   # the copy did not compute them: all in one call
             assert self._buffer is not None
             self._checksums = fastio.crc32c_regions([self._buffer.address + e.offset for e in with_bytes],
                                                     [e.nbytes for e in with_bytes])
-        checksums = iter(self._checksums or ())
-        tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
-                                    next(checksums) if e.nbytes else fastio.crc32c(b""),
-                                    key=e.key, dtype=e.dtype, shape=e.shape)
-                        for e in self.entries)
         meta = self.meta
         assert meta is not None, "stage() records what the checkpoint was trained with"
 
         def make_index(objects_section: Section) -> FullIndex:
+            # (called once the payload is written: the checksums of landed pieces are known then)
+            checksums = iter(self._checksums or ())
+            tensors = tuple(TensorEntry(PAYLOAD_OFFSET + e.offset, e.nbytes,
+                                        next(checksums) if e.nbytes else fastio.crc32c(b""),
+                                        key=e.key, dtype=e.dtype, shape=e.shape)
+                            for e in self.entries)
             names, aliases, optimizer_class, compressor = meta.fields()
             return FullIndex(self.step, session, run, self.payload_bytes, tensors, objects_section, names, aliases,
                              optimizer_class, compressor, stripes=stripes, stripe_bytes=unit)
         return write_full_file(path, container.KIND_FULL, memoryview(b"") if stripes else payload, objects,
-                               make_index, engine=engine, before_commit=before_commit)
+                               make_index, engine=engine, before_commit=before_commit, pieces=pieces)
 
 
 def write_full_file(path: str, kind: int, payload, objects: bytes, make_index, *, engine=None,
-                    before_commit=None) -> int | None:
+                    before_commit=None, pieces=None) -> int | None:
     """The layout of a full checkpoint (and of a share of one): preamble, ``payload`` from the
     first page, the ``objects`` section, the index ``make_index(objects_section)`` returns, the
     trailer; committed through fastio.Writer. ``before_commit()`` returning False discards the file
-    (nothing appears at ``path``): returns None. Otherwise the file's size."""
+    (nothing appears at ``path``): returns None. Otherwise the file's size. ``pieces``: the payload
+    as back-to-back views, each written when it is yielded (a copy still landing), instead of
+    ``payload`` at once (whose length still sizes the file)."""
     with fastio.Writer(path, size_hint=PAYLOAD_OFFSET + len(payload) + len(objects) + 8192, engine=engine) as writer:
         writer.write(container.preamble_bytes(kind))
         writer.pad_to(PAGE)
-        writer.write(payload)
+        for piece in pieces if pieces is not None else (payload,):
+            writer.write(piece)
         faults.point("full-write")
         objects_offset = writer.write(objects)
         index = container.encode_index(make_index(Section(objects_offset, len(objects),

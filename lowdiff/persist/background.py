@@ -21,27 +21,8 @@ from lowdiff.format.fullckpt import Snapshot
 from lowdiff.format.records import encode_record
 from lowdiff.format.schema import TrainedWith
 from lowdiff.persist.pinned import PinnedStaging
+from lowdiff.persist.threads import ErrorSlot, Worker
 from lowdiff.store.stripes import remove_stripes
-
-
-class _ErrorSlot:
-    """The first error of a background thread, kept (sticky) and re-raised with its original type."""
-
-    def __init__(self, durable_step):
-        self.error: BaseException | None = None
-        self._durable_step = durable_step   # says, in the error, what is still on disk
-        self._explained = False
-
-    def check(self) -> None:
-        if self.error is None:
-            return
-        if not self._explained:
-            self._explained = True
-            self.error.add_note(
-                f"lowdiff: checkpointing has stopped; the newest durable step is {max(self._durable_step(), 0)} and "
-                f"later steps are not on disk. Fix the cause, then restart from recovery.resume().")
-        raise self.error
-
 
 _RECHECK = object()   # put() blocked: close the batch if the records held already fill one
 
@@ -76,7 +57,7 @@ class DiffWriter:
         self._queue: queue.Queue = queue.Queue()
         self._pending_steps = 0          # recorded, not yet durable (or dropped after an error)
         self._room = threading.Condition()
-        self._errors = _ErrorSlot(store.durable_step)
+        self._errors = ErrorSlot(store.durable_step)
         self._thread = threading.Thread(target=self._run, name="lowdiff-diff-writer", daemon=True)
         self._thread.start()
 
@@ -259,50 +240,6 @@ class _BackgroundCopy:
         return self.ok
 
 
-class _Worker:
-    """One long-lived daemon thread running jobs in order (a thread per checkpoint would cost the
-    training thread a GIL hand-off while it boots)."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._last_done: threading.Event | None = None
-
-    def submit(self, job) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        done = threading.Event()
-        self._last_done = done
-        self._jobs.put((job, done))
-
-    def _run(self) -> None:
-        while True:
-            job, done = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()  # jobs keep their own errors (see _ErrorSlot)
-            finally:
-                done.set()
-
-    def busy(self) -> bool:
-        return self._last_done is not None and not self._last_done.is_set()
-
-    def wait(self) -> None:
-        """Until every submitted job has finished."""
-        if self._last_done is not None:
-            self._last_done.wait()
-
-    def close(self) -> None:
-        """Finish the submitted jobs and end the thread (a later submit starts a new one)."""
-        if self._thread is not None:
-            self._jobs.put((None, None))
-            self._thread.join()
-            self._thread = None
-
-
 class FullWriter:
     """Persists one full checkpoint at a time from a reused staging snapshot.
 
@@ -327,8 +264,8 @@ class FullWriter:
         self._pinned = PinnedStaging() if torch.cuda.is_available() and self._snapshot.supports_device_copy else None
         if self._pinned is not None:
             self._snapshot.device_copy = self._pinned
-        self._worker = _Worker("lowdiff-full-writer")
-        self._errors = _ErrorSlot(store.durable_step)
+        self._worker = Worker("lowdiff-full-writer")
+        self._errors = ErrorSlot(store.durable_step)
         self._pending_copy: _BackgroundCopy | None = None
         self._stall_s = 0.0
 
@@ -362,6 +299,7 @@ class FullWriter:
             return
         started = time.perf_counter()
         pending.copied.wait()
+        self._snapshot.wait_landed()   # device copies the persist thread may still be writing out
         modified = self._snapshot.modified_since_stage()
         self._snapshot.release_sources()
         pending.decide(not modified)

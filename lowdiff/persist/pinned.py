@@ -21,14 +21,18 @@ Order of events (one checkpoint):
 
 1. training thread, at the iteration boundary (``FullWriter.take``): ``mark()`` records an event on
    each source device's current stream: the state as the optimizer step left it.
-2. persist thread (``copy``): the side stream waits for that event. Registered staging: every
-   tensor's copy is enqueued, then one event per device is waited for. Ring: chunk n is copied into
-   slot n % slots with ``non_blocking=True`` and an event is recorded after it; before slot s is
-   reused, the event of the chunk that last used it is waited for and that chunk is moved from the
-   slot into its place in staging (a host memcpy, GIL released: ``fastio.copy_regions``), so up
-   to ``slots`` chunks are in flight while the host drains the oldest.
-3. training thread, before the next optimizer step (``FullWriter.release``): waits until ``copy``
-   has returned, i.e. every byte has landed in staging. It never waits for the disk.
+2. persist thread (``copy``): the side stream waits for that event. Registered staging: the
+   tensors are cut into chunks of ``chunk_bytes`` (in staging order), each chunk's copies are
+   enqueued in one call per device and an event is recorded after them; ``copy`` returns a
+   ``Landing`` at once, and the persist thread writes each chunk's bytes to the file as soon as
+   its event has completed (``Landing.boundaries``), while the later chunks are still crossing
+   the link. Ring: chunk n is copied into slot n % slots with ``non_blocking=True`` and an event is
+   recorded after it; before slot s is reused, the event of the chunk that last used it is waited
+   for and that chunk is moved from the slot into its place in staging (a host memcpy, GIL
+   released: ``fastio.copy_regions``), so up to ``slots`` chunks are in flight while the host
+   drains the oldest; ``copy`` returns once every chunk is in staging.
+3. training thread, before the next optimizer step (``FullWriter.release``): waits until every
+   byte has landed in staging (``Landing.wait_all``). It never waits for the disk.
 
 The sources must stay unmodified from ``mark()`` to the end of ``copy`` (the next forward and
 backward only read parameters and optimizer state; ``release`` holds back the optimizer step and
@@ -145,10 +149,53 @@ class CudaRing:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
+def _piece(flat: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return flat if start == 0 and length == flat.numel() else flat[start:start + length]
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor (a view, no copy)."""
     flat = tensor.detach().reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=tensor.device)
+
+
+class Landing:
+    """A full checkpoint's device-to-host copies into registered staging, still landing, chunk by
+    chunk: once chunk k's events have completed, every byte of staging below ``ends[k]`` (an offset
+    from the start of staging) holds its final value, because no later chunk writes below it."""
+
+    def __init__(self, ends: list[int], events: list[list]):
+        self._ends, self._events = ends, events
+
+    @property
+    def last_end(self) -> int:
+        """The last boundary: everything the copies write lies below it."""
+        return self._ends[-1] if self._ends else 0
+
+    def boundaries(self):
+        """Wait for each chunk in turn; yield the offset below which everything has landed."""
+        for end, events in zip(self._ends, self._events):
+            for event in events:
+                event.synchronize()
+            yield end
+
+    def wait_all(self) -> None:
+        """Until every copy has landed (any thread; again and again: waiting on a completed event returns at once)."""
+        for events in self._events:
+            for event in events:
+                event.synchronize()
+
+
+def landing_ends(starts: list[int], ends: list[int]) -> list[int]:
+    """For chunks whose pieces lie at ``[starts[k], ends[k])`` in staging (lowest start, highest end
+    of each chunk's pieces), the offset below which nothing is written once chunks up to k have
+    landed: the lowest start of any later chunk (bytes no chunk writes, the gaps between tensors,
+    are final all along); for the last chunk, the highest end of all."""
+    result, later_start = [0] * len(starts), None
+    for k in range(len(starts) - 1, -1, -1):
+        result[k] = max(ends) if later_start is None else later_start
+        later_start = starts[k] if later_start is None else min(later_start, starts[k])
+    return result
 
 
 class PinnedStaging:
@@ -180,21 +227,22 @@ class PinnedStaging:
         """Training thread, at the boundary: what the copy must wait for (see the module doc)."""
         self._ring.mark(sorted({t.device for t in tensors if self._ring.handles(t)}, key=str))
 
-    def copy(self, destinations: list, sources: list, staging: tuple[int, int] | None = None) -> None:
+    def copy(self, destinations: list, sources: list, staging: tuple[int, int] | None = None) -> Landing | None:
         """Persist thread: copy each ``sources[i]`` (contiguous; CPU ones directly) into
         ``destinations[i]`` (host memory of the same bytes), device ones straight into ``staging``
         (address, bytes: the buffer every destination lies in) when it can be registered, else
-        through the ring."""
+        through the ring. Returns the ``Landing`` of copies into registered staging, still in
+        flight; None when every byte is in place already."""
         on_device = [i for i, src in enumerate(sources) if self._ring.handles(src)]
         with torch.no_grad():
             for dst, src in zip(destinations, sources):
                 if not self._ring.handles(src):
                     dst.copy_(src)
             if not on_device:
-                return
+                return None
             if staging is not None and self._pin(*staging):
-                self._copy_direct([destinations[i] for i in on_device], [sources[i] for i in on_device])
-                return
+                return self._copy_direct([destinations[i] for i in on_device], [sources[i] for i in on_device],
+                                         staging[0])
             if not self._slots:
                 self._slots = [self._ring.slot(self.chunk_bytes) for _ in range(self.slots)]
             src_bytes = [byte_view(sources[i]) for i in on_device]
@@ -211,6 +259,7 @@ class PinnedStaging:
                 in_flight.append((slot, chunk, [self._ring.record_done(d) for d in sorted(devices, key=str)]))
             while in_flight:
                 self._drain(in_flight.popleft(), dst_bytes)
+        return None
 
     def _pin(self, address: int, nbytes: int) -> bool:
         """Whether staging ``[address, address + nbytes)`` is registered (registering it now if
@@ -237,14 +286,23 @@ class PinnedStaging:
         for address in list(self._registered):
             self.forget(address)
 
-    def _copy_direct(self, destinations: list, sources: list) -> None:
-        """Every device tensor into its place in registered staging; returns once all landed."""
+    def _copy_direct(self, destinations: list, sources: list, base: int) -> Landing:
+        """Enqueue every device tensor's copy into its place in registered staging (at ``base``),
+        ``chunk_bytes`` at a time, one call per device and chunk; returns without waiting."""
         self._ring.wait_marked()
-        self._ring.copy_all_async([byte_view(dst) for dst in destinations], [byte_view(src) for src in sources])
-        devices = sorted({src.device for src in sources}, key=str)
-        for event in [self._ring.record_done(d) for d in devices]:
-            event.synchronize()
+        dst_bytes = [byte_view(dst) for dst in destinations]
+        src_bytes = [byte_view(src) for src in sources]
+        starts, ends, events = [], [], []
+        for chunk in plan_chunks([s.numel() for s in src_bytes], self.chunk_bytes):
+            dsts = [_piece(dst_bytes[index], start, length) for index, start, length, _ in chunk]
+            srcs = [_piece(src_bytes[index], start, length) for index, start, length, _ in chunk]
+            self._ring.copy_all_async(dsts, srcs)
+            devices = sorted({src_bytes[index].device for index, _, _, _ in chunk}, key=str)
+            events.append([self._ring.record_done(d) for d in devices])
+            starts.append(min(d.data_ptr() for d in dsts) - base)
+            ends.append(max(d.data_ptr() + d.numel() for d in dsts) - base)
         self.direct_copies += 1
+        return Landing(landing_ends(starts, ends), events)
 
     def _drain(self, entry: tuple, dst_bytes: list) -> None:
         """Wait for ``entry``'s chunk to land in its slot, then move it into staging (GIL released)."""

@@ -35,7 +35,8 @@ import torch
 from lowdiff.capture.gradhooks import GradientSet, GradientStaging
 from lowdiff.capture.stepcapture import StepCapture
 from lowdiff.control.controller import Controller
-from lowdiff.persist.background import FullWriter, _ErrorSlot
+from lowdiff.persist.background import FullWriter
+from lowdiff.persist.threads import ErrorSlot
 from lowdiff.step.apply import apply_record
 
 
@@ -99,7 +100,7 @@ class Replica:
         # timings must not steer the controller's choices for the training thread's checkpoints.
         self.fulls = FullWriter(store, Controller(config), engine, background_copy=False,
                                 snapshot=None if partition is None else partition.snapshot())
-        self._errors = _ErrorSlot(store.durable_step)
+        self._errors = ErrorSlot(store.durable_step)
         self._thread: threading.Thread | None = None
         self._taken: GradientSet | None = None
         self._resync_due = False

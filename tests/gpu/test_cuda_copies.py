@@ -1,8 +1,9 @@
 """The GPU path's copies on a real device, piece by piece (tests/gpu/test_device_pieces.py checks
 their ordering with fakes on the CPU): a full checkpoint's tensors copied into page-locked memory
-with one torch call per device, a step's TopK record sorted on the device and copied to pinned
-memory back to back in parameter order, and the dense copies made in one concatenation. Each
-must give the bytes the CPU path gives. Skipped without CUDA."""
+with one torch call per device (chunk by chunk into registered staging), a step's TopK record
+sorted on the device and copied to pinned memory back to back in parameter order, and the dense
+copies made in one concatenation. Each must give the bytes the CPU path gives. Skipped without
+CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +44,28 @@ def test_a_full_checkpoints_tensors_reach_page_locked_memory_in_one_call_per_dev
     assert calls == [len(sources)] and refused == []
     for dst, src in zip(destinations, sources):
         assert torch.equal(dst, byte_view(src).cpu())
+
+
+def test_a_full_checkpoint_lands_chunk_by_chunk_in_registered_staging():
+    import fastio
+    from lowdiff.persist.pinned import PinnedStaging
+    gen = torch.Generator().manual_seed(4)
+    sources = [torch.randn(n, generator=gen).cuda() for n in (300_000, 7, 123_457, 1_000_000)]
+    sizes = [s.numel() * 4 for s in sources]
+    buffer = fastio.aligned_buffer(sum(sizes), populate=True)
+    destinations = list(buffer.tensor(sum(sizes)).view(torch.float32).split([s.numel() for s in sources]))
+    pinned = PinnedStaging(chunk_bytes=1 << 20)
+    try:
+        pinned.mark(sources)
+        landing = pinned.copy(destinations, sources, (buffer.address, buffer.capacity_bytes))
+        assert landing is not None and pinned.direct_copies == 1   # registered, copied into directly
+        boundaries = list(landing.boundaries())
+        assert len(boundaries) == -(-sum(sizes) // (1 << 20)) and boundaries == sorted(boundaries)
+        landing.wait_all()
+        for dst, src in zip(destinations, sources):
+            assert torch.equal(dst, src.cpu())
+    finally:
+        pinned.forget_all()
 
 
 def test_a_topk_record_copied_from_the_device_encodes_to_the_cpu_records_bytes():

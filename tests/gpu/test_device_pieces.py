@@ -13,7 +13,7 @@ import lowdiff
 import recovery
 from lowdiff.capture.devicecopy import CopyEngine, DeviceCopy
 from lowdiff.format.records import Compressed
-from lowdiff.persist.pinned import PinnedStaging, plan_chunks
+from lowdiff.persist.pinned import PinnedStaging, landing_ends, plan_chunks
 
 
 # --------------------------------------------------------------------------- chunking
@@ -160,8 +160,9 @@ def test_registered_staging_is_copied_into_directly_and_registered_once(eager):
     for round_ in range(2):
         sources = [s + round_ for s in sources]
         pinned.mark(sources)
-        pinned.copy(destinations, sources, where)
-        for d, s in zip(destinations, sources):   # every copy landed before copy() returned
+        landing = pinned.copy(destinations, sources, where)
+        landing.wait_all()
+        for d, s in zip(destinations, sources):   # every copy landed once its landing was waited for
             assert torch.equal(d, s)
     assert ring.calls == [("register", *where)]   # once: the buffer is reused
     assert ring.slots_allocated == 0 and pinned.chunks_copied == 0 and pinned.direct_copies == 2
@@ -180,6 +181,78 @@ def test_staging_that_cannot_be_registered_goes_through_the_ring():
         assert torch.equal(destinations[0], sources[0])
     assert [c[0] for c in ring.calls] == ["register"]   # refused once, not asked again
     assert pinned.direct_copies == 0 and pinned.chunks_copied == 6 and ring.slots_allocated == 2
+
+
+def test_landing_ends_are_below_every_later_chunk_and_never_decrease():
+    # In staging order (a full checkpoint's layout): each chunk's end is where the next begins.
+    assert landing_ends([0, 100, 250], [90, 240, 300]) == [100, 250, 300]
+    # A later chunk writing below an earlier one's end holds that boundary back.
+    assert landing_ends([0, 500, 40], [100, 600, 60]) == [40, 40, 600]
+    assert landing_ends([7], [9]) == [9] and landing_ends([], []) == []
+
+
+def test_registered_copies_land_chunk_by_chunk_and_each_boundary_is_final():
+    gen = torch.Generator().manual_seed(11)
+    sources = [torch.randn(n, generator=gen) for n in (300, 2, 700, 0, 64)]
+    staging = torch.zeros(sum(s.numel() for s in sources) + 40, dtype=torch.float32)
+    destinations, at = [], 0
+    for s in sources:                            # gaps between tensors, as the file's layout has
+        destinations.append(staging[at:at + s.numel()])
+        at += s.numel() + 10
+    ring = RegisteringRing(eager=False)
+    pinned = PinnedStaging(chunk_bytes=1000, slots=2, ring=ring)
+    pinned.mark(sources)
+    landing = pinned.copy(destinations, sources, (staging.data_ptr(), staging.numel() * 4))
+    assert landing is not None and not staging.any()     # enqueued, nothing landed yet
+    final = staging.clone()
+    for d, s in zip(destinations, sources):
+        final[d.data_ptr() // 4 - staging.data_ptr() // 4:][:s.numel()] = s
+    seen = []
+    for boundary in landing.boundaries():
+        below = boundary // 4
+        assert torch.equal(staging[:below], final[:below]), f"bytes below {boundary} not landed"
+        seen.append(boundary)
+    assert seen == sorted(seen) and len(seen) == len(plan_chunks([s.numel() * 4 for s in sources], 1000))
+    landing.wait_all()
+    assert torch.equal(staging, final) and pinned.direct_copies == 1
+
+
+def test_a_full_checkpoint_is_written_as_its_device_copies_land(tmp_path, monkeypatch):
+    """Each piece of the payload goes to the file only after the events of the copies below its end
+    have been waited for (a fake device that copies only then would leave wrong bytes otherwise),
+    in more than one piece, and the file loads back as the state."""
+    import fastio
+    from lowdiff.format.fullckpt import Snapshot, load_full
+    from lowdiff.format.schema import PAYLOAD_OFFSET, TrainedWith
+    gen = torch.Generator().manual_seed(2)
+    weights = {f"w{i}": torch.randn(n, generator=gen) for i, n in enumerate((3000, 5, 2500, 1100))}
+    state = {"model": weights, "optimizer": {"state": {}, "param_groups": []}, "scheduler": None, "extra": {},
+             "rng": {}, "residuals": {}, "grad_scaler": None}
+    ring = RegisteringRing(eager=False)
+    snapshot = Snapshot()
+    snapshot.device_copy = PinnedStaging(chunk_bytes=4096, slots=2, ring=ring)
+    snapshot.stage(3, state, TrainedWith(tuple(weights), {k: i for i, k in enumerate(weights)},
+                                         "torch.optim.sgd.SGD", "Dense()"))
+    snapshot.device_copy.mark(snapshot.staged_tensors())
+    snapshot.copy(on_training_thread=False)
+    writes = []
+    real_write = fastio.Writer.write
+
+    def logged(writer, obj, **kw):
+        writes.append((writer.size, len(ring.log)))   # where in the file, after how many fake-device events
+        return real_write(writer, obj, **kw)
+    monkeypatch.setattr(fastio.Writer, "write", logged)
+    path = str(tmp_path / "full.ldf")
+    assert snapshot.persist(path, "session", run="run")
+    payload_end = PAYLOAD_OFFSET + snapshot.payload_bytes
+    syncs = [i for i, entry in enumerate(ring.log) if entry[0] == "sync"]
+    pieces = [log for offset, log in writes if PAYLOAD_OFFSET <= offset < payload_end]
+    assert len(pieces) >= 3, writes                     # written piece by piece, not once at the end
+    assert pieces == sorted(set(pieces)), writes        # a wait between every two pieces
+    assert writes[0][1] <= syncs[0] < pieces[0]         # the preamble before any wait, each piece after one
+    _, loaded = load_full(path)
+    for key, tensor in weights.items():
+        assert torch.equal(loaded.model[key], tensor)
 
 
 # --------------------------------------------------------------------------- a record's copies
