@@ -28,6 +28,7 @@ Configurations (``--configs`` selects a subset; each starts from a fresh model a
                  differentials (Fixed(differentials=False)), against plain: the full checkpoint's
                  cost without TopK's step-to-step spread, which at gpt2-124m (torch.topk of 124M
                  gradients) is larger than the cost
+  lowdiff-full5-only-instep  the same, the state copied inside step() (full_copy="in_step")
   floor-copy5    no lowdiff: plain training, and every 5 steps the state is copied with its CRC-32C
                  into reused, pre-faulted staging (fastio.copy_regions, the copy lowdiff makes) on a
                  thread of this script while the next forward/backward runs; the next optimizer
@@ -93,16 +94,19 @@ MEMCPY_REPS = 5
 
 ALL_CONFIGS = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10",
                "lowdiff-dense", "dcp-async", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only",
-               "floor-copy5", "floor-write5")
-LOWDIFF_CONFIGS = ("lowdiff-topk", "lowdiff-dense", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only")
+               "lowdiff-full5-only-instep", "floor-copy5", "floor-write5")
+LOWDIFF_CONFIGS = ("lowdiff-topk", "lowdiff-dense", "lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only",
+                   "lowdiff-full5-only-instep")
 # a full checkpoint every STALL_FULL_EVERY steps
-FULL5_CONFIGS = ("lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only", "floor-copy5", "floor-write5")
+FULL5_CONFIGS = ("lowdiff-full5", "lowdiff-full5-instep", "lowdiff-full5-only", "lowdiff-full5-only-instep",
+                 "floor-copy5", "floor-write5")
 FLOOR_CONFIGS = ("floor-copy5", "floor-write5")   # the copy (and write) alone, no lowdiff
 INTERLEAVABLE = ("plain", "topk-base", "topk-base-mn", "lowdiff-topk", "save-1", "save-10")
 BASELINE_OF = {
     "plain": None, "topk-base": None, "topk-base-mn": None,
     "lowdiff-topk": "topk-base", "lowdiff-full5": "topk-base", "lowdiff-full5-instep": "topk-base",
-    "lowdiff-dense": "plain", "lowdiff-full5-only": "plain", "floor-copy5": "plain", "floor-write5": "plain",
+    "lowdiff-dense": "plain", "lowdiff-full5-only": "plain",
+    "lowdiff-full5-only-instep": "plain", "floor-copy5": "plain", "floor-write5": "plain",
     "save-1": "plain", "save-10": "plain", "dcp-async": "plain",
 }
 LABEL = {
@@ -117,6 +121,7 @@ LABEL = {
     "lowdiff-full5": "lowdiff TopK(0.01) full_every=5",
     "lowdiff-full5-instep": "  same, full copy in step()",
     "lowdiff-full5-only": "lowdiff Dense, full_every=5, no diffs",
+    "lowdiff-full5-only-instep": "  same, full copy in step()",
     "floor-copy5": "floor: copy+CRC every 5, no lowdiff",
     "floor-write5": "floor: copy+CRC+write every 5",
 }
@@ -423,13 +428,13 @@ class Trainer:
         if name in LOWDIFF_CONFIGS:
             # Dense for full5-only: a compressor is part of the training (TopK changes the gradient the
             # optimizer consumes, recorded or not), and this one is judged against plain.
-            compressor = lowdiff.Dense() if name in ("lowdiff-dense", "lowdiff-full5-only") \
-                else lowdiff.TopK(ratio=TOPK_RATIO)
+            dense = name == "lowdiff-dense" or name.startswith("lowdiff-full5-only")
+            compressor = lowdiff.Dense() if dense else lowdiff.TopK(ratio=TOPK_RATIO)
             total = args.warmup + args.steps
             full_every = STALL_FULL_EVERY if name in FULL5_CONFIGS else 10 * total + 1000
-            full_copy = "in_step" if name == "lowdiff-full5-instep" else "background"
+            full_copy = "in_step" if name.endswith("-instep") else "background"
             schedule = lowdiff.Fixed(full_every=full_every, batch_steps=BATCH_STEPS,
-                                     differentials=name != "lowdiff-full5-only")
+                                     differentials=not name.startswith("lowdiff-full5-only"))
             self.opt = lowdiff.wrap(self.raw_opt, self.model, str(run_dir), compressor=compressor,
                                     schedule=schedule, options=lowdiff.Options(full_copy=full_copy))
 
@@ -818,8 +823,9 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
         print(f"\nfull-checkpoint stall, {LABEL[config].strip()} (full_every={STALL_FULL_EVERY}, {blocked['samples']} "
               f"full steps; one memcpy of the state ({fmt_bytes(state_bytes)}) = {memcpy_ms:.1f} ms):")
         inside = med([r.lowdiff_stall_ms for r in f5])
-        print(f"  {'lowdiff.stats(): staging + waiting for the copy':38s} median {inside:.2f} ms per full checkpoint "
-              f"(measured inside step(), median of the runs' medians)")
+        if config not in FLOOR_CONFIGS:
+            print(f"  {'lowdiff.stats(): staging + waiting for the copy':38s} median {inside:.2f} ms per full "
+                  f"checkpoint (measured inside step(), median of the runs' medians)")
         for label, e in (("opt.step() (training thread blocked)", blocked), ("whole iteration", whole)):
             print(f"  {label:38s} full step {e['full']:7.1f} ms, next step {e['next']:7.1f} ms, others "
                   f"{e['normal']:7.1f} ms -> stall {e['stall']:+.1f} ms "
@@ -827,8 +833,9 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
         if blocked["slowest"] not in (blocked["phase"], 0):
             print(f"note: the slowest opt.step() phase was loop index % {STALL_FULL_EVERY} == {blocked['slowest']}, "
                   f"not the full-checkpoint step or the one after: the stall is within the noise")
-        stall_rows.append({"model": args.model, "mode": "block", "config": f"full-stall{config[13:]}",
-                           "label": f"full-checkpoint stall{config[13:]}", "median_optstep_ms": blocked["full"],
+        suffix = config[len("lowdiff-full5"):] if config.startswith("lowdiff-full5") else f"-{config}"
+        stall_rows.append({"model": args.model, "mode": "block", "config": f"full-stall{suffix}",
+                           "label": f"full-checkpoint stall{suffix}", "median_optstep_ms": blocked["full"],
                            "stall_ms": blocked["stall"], "iteration_stall_ms": whole["stall"],
                            "lowdiff_stall_ms": inside, "memcpy_ms": memcpy_ms, "state_bytes": state_bytes})
 
@@ -861,9 +868,21 @@ def report(runs: list[Run], args, cfg: gpt.GPTConfig, n_params: int, skipped: di
     else:
         target(None, "differential / full checkpoint bytes: not measured")
     if stall_rows and memcpy_ms == memcpy_ms:
+        floors = {row["config"][len("full-stall-"):]: row for row in stall_rows
+                  if row["config"][len("full-stall-"):] in FLOOR_CONFIGS}
+        for config, row in floors.items():   # what any copy-based snapshot pays here: a reference, not a target
+            print(f"  [floor] {LABEL[config]}: whole iterations {row['iteration_stall_ms']:+.1f} ms = "
+                  f"{row['iteration_stall_ms'] / memcpy_ms:.1f} memcpys; training thread blocked "
+                  f"{row['stall_ms']:+.1f} ms")
         for row in stall_rows:
-            name = {"-instep": " (copy in step())", "-only": " (background copy, no differentials)"}.get(
-                row["config"][len("full-stall"):], " (background copy)")
+            suffix = row["config"][len("full-stall"):]
+            if suffix[1:] in FLOOR_CONFIGS:
+                continue
+            name = {"-instep": " (copy in step())", "-only": " (background copy, no differentials)",
+                    "-only-instep": " (copy in step(), no differentials)"}.get(suffix, " (background copy)")
+            if "floor-write5" in floors:
+                over = row["iteration_stall_ms"] - floors["floor-write5"]["iteration_stall_ms"]
+                name += f" [{over:+.1f} ms over floor-write5]"
             target(row["stall_ms"] <= memcpy_ms, f"full-checkpoint stall{name}, training thread blocked "
                    f"{row['stall_ms']:.1f} ms <= one memcpy of the state {memcpy_ms:.1f} ms "
                    f"(lowdiff's own measure {row['lowdiff_stall_ms']:.2f} ms)")
