@@ -22,11 +22,11 @@ Order of events (one checkpoint):
 1. training thread, at the iteration boundary (``FullWriter.take``): ``mark()`` records an event on
    each source device's current stream: the state as the optimizer step left it.
 2. persist thread (``copy``): the side stream waits for that event. Registered staging: the
-   tensors are cut into chunks of ``chunk_bytes`` (in staging order), each chunk's copies are
-   enqueued in one call per device and an event is recorded after them; ``copy`` returns a
-   ``Landing`` at once, and the persist thread writes each chunk's bytes to the file as soon as
-   its event has completed (``Landing.boundaries``), while the later chunks are still crossing
-   the link. Ring: chunk n is copied into slot n % slots with ``non_blocking=True`` and an event is
+   tensors are cut into chunks of ``landing_bytes`` (256 MiB, in staging order), each chunk's
+   copies are enqueued in one call per device and an event is recorded after them; ``copy``
+   returns a ``Landing`` at once, and the persist thread writes each chunk's bytes to the file as
+   soon as its event has completed (``Landing.boundaries``), while the later chunks are still
+   crossing the link. Ring: chunk n is copied into slot n % slots with ``non_blocking=True`` and an event is
    recorded after it; before slot s is reused, the event of the chunk that last used it is waited
    for and that chunk is moved from the slot into its place in staging (a host memcpy, GIL
    released: ``fastio.copy_regions``), so up to ``slots`` chunks are in flight while the host
@@ -47,6 +47,10 @@ import torch
 import fastio
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+# Registered staging lands in pieces this large: the disk writes a piece far more slowly than the
+# link fills the next, so smaller pieces would make the file durable hardly sooner, at the cost of
+# a wait, a checksum call and a write submission (GIL hand-offs beside training) each.
+DEFAULT_LANDING_BYTES = 256 << 20
 DEFAULT_SLOTS = 2
 
 
@@ -202,10 +206,12 @@ class PinnedStaging:
     """The bounded pinned ring (see the module doc). ``mark`` on the training thread, then ``copy``
     on the persist thread; one checkpoint at a time (the full writer persists one at a time)."""
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, slots: int = DEFAULT_SLOTS, ring=None):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, slots: int = DEFAULT_SLOTS, ring=None,
+                 landing_bytes: int = DEFAULT_LANDING_BYTES):
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
         self.chunk_bytes, self.slots = chunk_bytes, slots
+        self.landing_bytes = landing_bytes       # registered staging: the pieces it lands (and is written) in
         self._ring = ring if ring is not None else CudaRing()
         self._slots: list[torch.Tensor] = []     # allocated at the first copy, then reused
         self.chunks_copied = 0                   # for tests and stats
@@ -288,12 +294,12 @@ class PinnedStaging:
 
     def _copy_direct(self, destinations: list, sources: list, base: int) -> Landing:
         """Enqueue every device tensor's copy into its place in registered staging (at ``base``),
-        ``chunk_bytes`` at a time, one call per device and chunk; returns without waiting."""
+        ``landing_bytes`` at a time, one call per device and piece; returns without waiting."""
         self._ring.wait_marked()
         dst_bytes = [byte_view(dst) for dst in destinations]
         src_bytes = [byte_view(src) for src in sources]
         starts, ends, events = [], [], []
-        for chunk in plan_chunks([s.numel() for s in src_bytes], self.chunk_bytes):
+        for chunk in plan_chunks([s.numel() for s in src_bytes], self.landing_bytes):
             dsts = [_piece(dst_bytes[index], start, length) for index, start, length, _ in chunk]
             srcs = [_piece(src_bytes[index], start, length) for index, start, length, _ in chunk]
             self._ring.copy_all_async(dsts, srcs)

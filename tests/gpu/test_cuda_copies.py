@@ -54,7 +54,7 @@ def test_a_full_checkpoint_lands_chunk_by_chunk_in_registered_staging():
     sizes = [s.numel() * 4 for s in sources]
     buffer = fastio.aligned_buffer(sum(sizes), populate=True)
     destinations = list(buffer.tensor(sum(sizes)).view(torch.float32).split([s.numel() for s in sources]))
-    pinned = PinnedStaging(chunk_bytes=1 << 20)
+    pinned = PinnedStaging(landing_bytes=1 << 20)
     try:
         pinned.mark(sources)
         landing = pinned.copy(destinations, sources, (buffer.address, buffer.capacity_bytes))

@@ -82,7 +82,8 @@ class FakeRing:
 
     def copy_async(self, dst, src):
         assert self.log and self.log[-1][0] in ("wait_marked", "copy", "record", "sync"), self.log[-3:]
-        self.queue.append((dst, src.clone()))   # the source as it is now, as a stream would see it
+        # Read when the copy runs, as a stream would: a source changed before then is an error.
+        self.queue.append((dst, src, src._version))
         self.log.append(("copy", len(self.queue)))
         if self.eager:
             self.run(len(self.queue))
@@ -97,7 +98,8 @@ class FakeRing:
 
     def run(self, upto):
         while self.done < upto:
-            dst, src = self.queue[self.done]
+            dst, src, version = self.queue[self.done]
+            assert src._version == version, "a source was modified before its copy to the host landed"
             dst.copy_(src)
             self.done += 1
 
@@ -200,7 +202,7 @@ def test_registered_copies_land_chunk_by_chunk_and_each_boundary_is_final():
         destinations.append(staging[at:at + s.numel()])
         at += s.numel() + 10
     ring = RegisteringRing(eager=False)
-    pinned = PinnedStaging(chunk_bytes=1000, slots=2, ring=ring)
+    pinned = PinnedStaging(slots=2, ring=ring, landing_bytes=1000)
     pinned.mark(sources)
     landing = pinned.copy(destinations, sources, (staging.data_ptr(), staging.numel() * 4))
     assert landing is not None and not staging.any()     # enqueued, nothing landed yet
@@ -230,7 +232,7 @@ def test_a_full_checkpoint_is_written_as_its_device_copies_land(tmp_path, monkey
              "rng": {}, "residuals": {}, "grad_scaler": None}
     ring = RegisteringRing(eager=False)
     snapshot = Snapshot()
-    snapshot.device_copy = PinnedStaging(chunk_bytes=4096, slots=2, ring=ring)
+    snapshot.device_copy = PinnedStaging(slots=2, ring=ring, landing_bytes=4096)
     snapshot.stage(3, state, TrainedWith(tuple(weights), {k: i for i, k in enumerate(weights)},
                                          "torch.optim.sgd.SGD", "Dense()"))
     snapshot.device_copy.mark(snapshot.staged_tensors())
@@ -338,7 +340,8 @@ def _train(directory, steps, fake, resume_at=None, ring=None):
     if fake:
         # The GPU path's orderings with fake streams: records and full checkpoints land late.
         opt._capture._device_copy = DeviceCopy(torch.device("cpu"), FakeEngine())
-        opt._fulls._pinned = PinnedStaging(chunk_bytes=999, slots=2, ring=ring or FakeRing(eager=False))
+        opt._fulls._pinned = PinnedStaging(chunk_bytes=999, slots=2, ring=ring or FakeRing(eager=False),
+                                           landing_bytes=999)
         opt._fulls._snapshot.device_copy = opt._fulls._pinned
     start = recovery.resume(str(directory), model, opt) if resume_at is not None else 0
     assert start == (resume_at or 0)
