@@ -26,15 +26,15 @@ Order of events (one checkpoint):
    copies are enqueued in one call per device and an event is recorded after them; ``copy``
    returns a ``Landing`` at once, and the persist thread writes each chunk's bytes to the file as
    soon as its event has completed (``Landing.boundaries``), while the later chunks are still
-   crossing the link. Ring: chunk n is copied into slot n % slots with ``non_blocking=True`` and an event is
-   recorded after it; before slot s is reused, the event of the chunk that last used it is waited
-   for and that chunk is moved from the slot into its place in staging (a host memcpy, GIL
-   released: ``fastio.copy_regions``), so up to ``slots`` chunks are in flight while the host
-   drains the oldest; ``copy`` returns once every chunk is in staging.
+   crossing the link. Ring: chunk n is copied into slot n % slots with ``non_blocking=True`` and
+   an event is recorded after it; before slot s is reused, the event of the chunk that last used
+   it is waited for and that chunk is moved from the slot into its place in staging (a host
+   memcpy, GIL released: ``fastio.copy_regions``), so up to ``slots`` chunks are in flight while
+   the host drains the oldest; ``copy`` returns once every chunk is in staging.
 3. training thread, before the next optimizer step (``FullWriter.release``): waits until every
    byte has landed in staging (``Landing.wait_all``). It never waits for the disk.
 
-The sources must stay unmodified from ``mark()`` to the end of ``copy`` (the next forward and
+The sources must stay unmodified from ``mark()`` until every copy has landed (the next forward and
 backward only read parameters and optimizer state; ``release`` holds back the optimizer step and
 judges by version counters whether anything else wrote them, as for CPU tensors).
 """
@@ -184,7 +184,8 @@ class Landing:
             yield end
 
     def wait_all(self) -> None:
-        """Until every copy has landed (any thread; again and again: waiting on a completed event returns at once)."""
+        """Until every copy has landed (from any thread, any number of times: waiting on a completed
+        event returns at once)."""
         for events in self._events:
             for event in events:
                 event.synchronize()
