@@ -6,6 +6,8 @@ a slot before waiting, or reuses a slot before draining it, produces wrong bytes
 bytes are a real run's checkpoints, resumed and compared with an uninterrupted run."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -65,6 +67,10 @@ class FakeRing:
         self.done = 0
         self.log: list = []
         self.slots_allocated = 0
+        # Waiting for an event is safe from several threads at once on a real device (the persist
+        # thread writing landed pieces, the training thread in release()); so must running the
+        # queue be here, or two threads could each copy one entry and count it twice.
+        self.running = threading.Lock()
 
     @staticmethod
     def handles(tensor):
@@ -97,11 +103,12 @@ class FakeRing:
         return _Event(self, len(self.queue))
 
     def run(self, upto):
-        while self.done < upto:
-            dst, src, version = self.queue[self.done]
-            assert src._version == version, "a source was modified before its copy to the host landed"
-            dst.copy_(src)
-            self.done += 1
+        with self.running:
+            while self.done < upto:
+                dst, src, version = self.queue[self.done]
+                assert src._version == version, "a source was modified before its copy to the host landed"
+                dst.copy_(src)
+                self.done += 1
 
 
 @pytest.mark.parametrize("eager", [True, False])
