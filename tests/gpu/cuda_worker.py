@@ -12,7 +12,9 @@ it first resumes and writes "resumed step sha256". Modes (optimizer, compressor,
   bf16-params  AdamW (foreach), Dense, parameters in bf16
   replica      AdamW (foreach), Dense, lowdiff.Replica(allow_inexact_gpu=True)
 
-Under torchrun-style environment variables (WORLD_SIZE > 1) it trains DDP over NCCL, one GPU a rank.
+Under torchrun-style environment variables (WORLD_SIZE > 1) it trains DDP: over NCCL, one GPU a
+rank, or with ``LOWDIFF_TEST_BACKEND=gloo`` over gloo, where several ranks may share one GPU (NCCL
+refuses that): lowdiff's multi-rank path on CUDA tensors on a machine with a single GPU.
 """
 from __future__ import annotations
 
@@ -85,7 +87,9 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     if world > 1:
-        torch.distributed.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        backend = os.environ.get("LOWDIFF_TEST_BACKEND", "nccl")
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world,
+                                             device_id=device if backend == "nccl" else None)
     model, opt = build(args.mode, device)
     trained = model
     if world > 1:

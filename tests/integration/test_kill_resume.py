@@ -19,38 +19,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fault_helpers import REPO, env, read_digests
 from lowdiff_helpers import build, train_steps, wrap
 
 import recovery
 from lowdiff.cli import main as cli
 from lowdiff.cli.demo import state_digest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
 TIMEOUT_S = 240  # only against hangs; nothing is timed
 CONFIGS = [("adamw", "topk"), ("sgd", "dense"), ("sgd", "topk"), ("adamw", "dense")]
-DIGEST_LINE = re.compile(r"^(\d+) ([0-9a-f]{64})$")
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def demo(mode, *args, digests, stderr):
     return subprocess.Popen([sys.executable, "-m", "lowdiff.cli.demo", mode, *args, "--digests", str(digests)],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(), cwd=REPO)
-
-
-def read_digests(path) -> dict:
-    """{step: digest}; a line torn by the kill is ignored."""
-    out = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                m = DIGEST_LINE.match(line.strip())
-                if m:
-                    out[int(m.group(1))] = m.group(2)
-    return out
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env(), cwd=REPO)
 
 
 @pytest.fixture(scope="module")
