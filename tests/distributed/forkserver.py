@@ -17,6 +17,7 @@ as it runs (test_kill_resume.py) and the traced crash-state runs keep fresh inte
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import io
 import json
 import os
@@ -167,6 +168,9 @@ def _become(request: dict) -> None:
                                   write_through=write_through)
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), line_buffering=True,
                                   errors="backslashreplace")
+    # A worker that hangs can be asked where it is: SIGUSR1 prints every thread's Python stack to
+    # its stderr (the launch helpers send it before they kill a worker past its deadline).
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     argv = request["argv"]
     # sys.path as `python script.py` (the script's folder) or `python -m module` (the working
     # directory) builds it, then PYTHONPATH, then the rest.

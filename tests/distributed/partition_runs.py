@@ -1,6 +1,7 @@
 """Running partition_worker.py ranks as real processes (gloo) and reading what they report; shared
 by the partitioned-directory tests (the uninterrupted reference run is conftest.py's fixture)."""
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,12 +35,24 @@ def launch(directory, digests, world, *extra, fault_rank=None, fault=None, timeo
         procs.append(forkserver.start(args, env))   # a fresh process, torch already imported
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
-        if any(p.returncode == -9 for p in procs) or time.monotonic() > deadline:
+        overdue = time.monotonic() > deadline
+        if any(p.returncode == -9 for p in procs) or overdue:
+            if overdue:
+                show_stacks(procs)
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.05)
     return [(p.returncode, p.communicate()[1]) for p in procs]
+
+
+def show_stacks(procs) -> None:
+    """Ask every worker still running to print its threads' stacks to its stderr (forkserver
+    registers SIGUSR1 for that), so a hang's failure message says where each rank was."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
 
 
 def digests(path):

@@ -196,7 +196,7 @@ def main():
         lowdiff.store.directory.secrets = types.SimpleNamespace(token_hex=lambda nbytes: "0" * (2 * nbytes))
     if args.travel:
         time_travel(args, model, ddp, opt, sched, sampler)
-        return
+        end_process()
     when = {"schedule": lowdiff.Replica(full_every=args.full_every, batch_steps=args.batch_steps)} if args.replica \
         else {"full_every": args.full_every, "batch_steps": args.batch_steps}
     if args.shared_dir:
@@ -215,14 +215,22 @@ def main():
     opt.close()
     if args.world > 1:
         dist.destroy_process_group()
+    end_process()
+
+
+def end_process() -> None:
+    """End the worker here, inside main(), while its objects (the DDP module, which holds the process
+    group) are still alive; everything is closed and flushed by now. Two torch 2.13 + gloo teardown
+    faults make a run that ended correctly look failed: a process may abort at interpreter exit
+    after destroy_process_group (docs/guide.md, "Platform notes"), and freeing a gloo process group
+    right after a collective can deadlock: its destructor, holding the GIL, waits for a lock its
+    worker thread holds while that thread frees the finished work, which needs the GIL (gdb, a
+    barrier then main() returning: ~ProcessGroupGloo against ~AsyncBarrierWork; 3 in 60 forked
+    2-rank runs of plain DDP). An exception still leaves main() the usual way."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # torch 2.13 + gloo may abort a process at interpreter exit after destroy_process_group
-    # (docs/guide.md, "Platform notes": about 2 in 100 processes, more on a loaded machine), which a
-    # test (or torchrun) would count as a failure of a run that ended correctly. End as the guide
-    # advises, once everything is closed and flushed (an exception above still exits with it).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

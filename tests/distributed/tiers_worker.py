@@ -8,12 +8,11 @@ proxy logs it among lowdiff's requests: what was fetched before the replay began
 import argparse
 import os
 import signal
-import sys
 import urllib.request
 
 import torch
 import torch.distributed as dist
-from partition_worker import build, compressor, shared_digest
+from partition_worker import build, compressor, end_process, shared_digest
 
 import lowdiff
 import recovery
@@ -91,14 +90,8 @@ def main():
     opt.close()
     if args.world > 1:
         dist.destroy_process_group()
+    end_process()   # inside main(): partition_worker.end_process says why
 
 
 if __name__ == "__main__":
     main()
-    # torch 2.13 + gloo may abort a process at interpreter exit after destroy_process_group
-    # (docs/guide.md, "Platform notes": about 2 in 100 processes, more on a loaded machine), which a
-    # test (or torchrun) would count as a failure of a run that ended correctly. End as the guide
-    # advises, once everything is closed and flushed (an exception above still exits with it).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
